@@ -1,0 +1,173 @@
+"""optimize(): a compiled static-cache DeepSeek-V4 engine with greedy and speculative generate."""
+import logging
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .backend import Dsv4Backend
+from .drafting import Drafter, make_drafter
+from .model.layout import INDEX_PAGE_SLOTS, StepLayout
+from .model.step import DeepseekV4Step
+from .passes.manager import PassConfig
+from .passes.report import PassReport
+from .validation import check_int, check_prompts
+
+log = logging.getLogger("dsv4_compile")
+
+DEFAULT_PREFILL_CHUNK = 16
+
+
+def batch_bucket(batch: int, max_batch: int) -> int:
+    """The CUDA-graph capture size a batch is padded to: the next power of two, at most max_batch."""
+    bucket = 1
+    while bucket < batch:
+        bucket *= 2
+    return min(bucket, max_batch)
+
+
+class Engine:
+    """A static-cache serving engine around one transformers DeepseekV4ForCausalLM.
+
+    `step(input_ids [B, T] int64, start_pos [B] int64, rows [B] int64) -> logits [B, T, V]` is
+    the compiled step (decode and verify); `module` is the same step uncompiled, which also runs
+    the prefill chunks. `generate` drives both. `report` lists what the dsv4 passes matched.
+    """
+
+    def __init__(self, model: nn.Module, *, max_batch: int, max_context: int, verify_tokens: int,
+                 strict: bool, compile: bool = True, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> None:
+        config = model.config
+        self.model = model
+        self.verify_tokens = verify_tokens
+        self.strict = strict
+        self.prefill_chunk = prefill_chunk
+        self.vocab_size = config.vocab_size
+        self.device = model.lm_head.weight.device
+        self.layout = StepLayout(
+            max_batch=max_batch, max_context=max_context,
+            step_tokens=max(prefill_chunk, verify_tokens + 1),
+            sliding_window=config.sliding_window,
+            csa_rate=config.compress_rates["compressed_sparse_attention"],
+            hca_rate=config.compress_rates["heavily_compressed_attention"])
+        self.module = DeepseekV4Step(model, self.layout)
+        self.report = PassReport()
+        self.backend = Dsv4Backend(PassConfig(), self.report, cudagraphs=self.device.type == "cuda")
+        self.step = (torch.compile(self.module, backend=self.backend, fullgraph=True, dynamic=False)
+                     if compile else self.module)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, *,
+                 draft: str | Callable[[list[int]], list[int]] | None = None) -> list[list[int]]:
+        """Greedy generation; returns only the new tokens, one list per prompt.
+
+        draft: None (plain decode), "ngram" (prompt lookup), or a callable that proposes draft
+        tokens from a request's tokens so far. Drafts are verified with one T = 1 + verify_tokens
+        step; the accepted prefix is kept, so the output equals plain greedy decoding.
+        """
+        check_prompts(prompts, self.layout.max_batch, self.vocab_size)
+        check_int("max_new_tokens", max_new_tokens, 0, None)
+        longest = max(len(p) for p in prompts)
+        if longest + max_new_tokens > self.layout.max_context:
+            raise ValueError(
+                f"prompt length + max_new_tokens must be <= max_context={self.layout.max_context}; "
+                f"got {longest} + {max_new_tokens}")
+        drafter = make_drafter(draft, self.verify_tokens)
+        self.last_acceptance: float | None = None
+        if max_new_tokens == 0:
+            return [[] for _ in prompts]
+        tokens = [list(p) for p in prompts]
+        new = [[self._prefill(row, p)] for row, p in enumerate(prompts)]
+        proposed = accepted = 0
+        while min(len(n) for n in new) < max_new_tokens:
+            if drafter is None:
+                self._decode(tokens, new)
+            else:
+                p, a = self._verify(tokens, new, drafter)
+                proposed, accepted = proposed + p, accepted + a
+        if drafter is not None:
+            self.last_acceptance = accepted / proposed if proposed else 0.0
+            log.info("draft acceptance %.1f%% (%d of %d)", 100 * self.last_acceptance, accepted, proposed)
+        return [n[:max_new_tokens] for n in new]
+
+    def _run(self, input_ids: list[list[int]], start_pos: list[int], rows: list[int],
+             step: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+        """Runs `step` (default: the compiled step) on a batch padded to its bucket; returns the
+        argmax [B, T] on the host."""
+        batch = len(input_ids)
+        bucket = batch_bucket(batch, self.layout.max_batch)
+        width = len(input_ids[0])
+        pad = bucket - batch
+        ids = torch.tensor(input_ids + [[0] * width] * pad, dtype=torch.int64, device=self.device)
+        start = torch.tensor(start_pos + [0] * pad, dtype=torch.int64, device=self.device)
+        row_ids = torch.tensor(rows + [self.layout.scratch_row] * pad, dtype=torch.int64, device=self.device)
+        if step is None:
+            step = self.step
+            if self.device.type == "cuda":
+                torch.compiler.cudagraph_mark_step_begin()
+        logits = step(ids, start, row_ids)
+        return logits[:batch].argmax(dim=-1).cpu()
+
+    def _prefill(self, row: int, prompt: list[int]) -> int:
+        """Feeds one prompt into cache row `row` in chunks; returns its first greedy token."""
+        chunk = self.prefill_chunk
+        for start in range(0, len(prompt), chunk):
+            piece = prompt[start:start + chunk]
+            argmax = self._run([piece + [0] * (chunk - len(piece))], [start], [row], self.module)
+        return int(argmax[0, len(piece) - 1])
+
+    def _decode(self, tokens: list[list[int]], new: list[list[int]]) -> None:
+        for t, n in zip(tokens, new):
+            t.append(n[-1])
+        argmax = self._run([[t[-1]] for t in tokens], [len(t) - 1 for t in tokens], list(range(len(tokens))))
+        for n, a in zip(new, argmax):
+            n.append(int(a[0]))
+
+    def _verify(self, tokens: list[list[int]], new: list[list[int]], drafter: Drafter) -> tuple[int, int]:
+        """One verify step for every request; returns (drafts proposed, drafts accepted)."""
+        width = self.verify_tokens + 1
+        rows, proposals = [], []
+        for t, n in zip(tokens, new):
+            t.append(n[-1])
+            proposals.append(drafter(t)[: width - 1])
+            rows.append(t[-1:] + proposals[-1] + [0] * (width - 1 - len(proposals[-1])))
+        argmax = self._run(rows, [len(t) - 1 for t in tokens], list(range(len(tokens))))
+        proposed = accepted = 0
+        for t, n, drafts, greedy in zip(tokens, new, proposals, argmax.tolist()):
+            keep = 0
+            while keep < len(drafts) and drafts[keep] == greedy[keep]:
+                keep += 1
+            # drafts[:keep] become context; greedy[keep] is the next token to feed.
+            t.extend(drafts[:keep])
+            n.extend(greedy[:keep + 1])
+            proposed, accepted = proposed + len(drafts), accepted + keep
+        return proposed, accepted
+
+
+def optimize(model: nn.Module, *, max_batch: int = 8, max_context: int = 4096, verify_tokens: int = 0,
+             strict: bool = False, compile: bool = True) -> Engine:
+    """Builds a compiled static-cache engine for a transformers DeepseekV4ForCausalLM.
+
+    max_context must be a multiple of 4 * 64 (the indexer's key pages) and of the HCA rate.
+    verify_tokens is the most draft tokens one verify step checks (0: no speculative decoding).
+    compile=False runs the same step eagerly (the reference the compiled step is tested against).
+    """
+    from transformers import DeepseekV4ForCausalLM
+
+    if not isinstance(model, DeepseekV4ForCausalLM):
+        raise TypeError(f"model must be a transformers DeepseekV4ForCausalLM; got {type(model).__name__}")
+    check_int("max_batch", max_batch, 1, None)
+    check_int("verify_tokens", verify_tokens, 0, None)
+    for name, flag in (("strict", strict), ("compile", compile)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool; got {type(flag).__name__}")
+    config = model.config
+    csa = config.compress_rates["compressed_sparse_attention"]
+    hca = config.compress_rates["heavily_compressed_attention"]
+    check_int("max_context", max_context, 1, None)
+    for name, multiple in (("4 x 64 indexer slots", csa * INDEX_PAGE_SLOTS), ("the HCA rate", hca)):
+        if max_context % multiple:
+            raise ValueError(f"max_context must be a multiple of {name} ({multiple}); got {max_context}")
+    if config.hidden_act != "silu":
+        raise ValueError(f"config.hidden_act must be 'silu'; got {config.hidden_act!r}")
+    return Engine(model, max_batch=max_batch, max_context=max_context, verify_tokens=verify_tokens,
+                  strict=strict, compile=compile)

@@ -1,0 +1,1 @@
+"""Integrations with serving engines; each imports its engine lazily."""

@@ -1,0 +1,10 @@
+"""Decides where a dsv4 op runs: compiled Triton on CUDA, the Triton interpreter on CPU when
+TRITON_INTERPRET=1 (CI), and the torch reference otherwise."""
+import os
+
+import torch
+
+
+def triton_runs_on(t: torch.Tensor) -> bool:
+    """True when a Triton kernel can launch on the device of `t`."""
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"

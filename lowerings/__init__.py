@@ -1,0 +1,1 @@
+"""Inductor lowerings around the dsv4 ops."""

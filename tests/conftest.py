@@ -1,0 +1,20 @@
+"""Test set-up: the Triton interpreter on CPU, and the Hypothesis profiles."""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # triton.jit reads this when the decorator runs, so it must be set before kernels import.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile(
+    "ci", max_examples=15, deadline=None, derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "thorough", max_examples=300, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

@@ -1,0 +1,56 @@
+"""Shared test helpers: prompts, transformers' greedy reference, and a step recorder."""
+import torch
+
+from dsv4_compile.tiny import tiny_model
+
+# Small config for tests that compile: every layer type, both MoE kinds, few Sinkhorn steps
+# so that inductor's CPU codegen stays within the CI budget.
+COMPILE_CONFIG = {
+    "num_hidden_layers": 4,
+    "layer_types": ["sliding_attention", "compressed_sparse_attention",
+                    "heavily_compressed_attention", "compressed_sparse_attention"],
+    "mlp_layer_types": ["hash_moe", "moe", "moe", "moe"],
+    "hc_sinkhorn_iters": 2,
+}
+
+
+def compile_model(seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.nn.Module:
+    """The tiny model in its compile-test shape."""
+    return tiny_model(seed=seed, dtype=dtype, device=device, **COMPILE_CONFIG)
+
+
+def make_prompts(lengths: tuple[int, ...], vocab: int, seed: int = 0) -> list[list[int]]:
+    """Random prompts of the given lengths."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
+@torch.no_grad()
+def transformers_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int) -> list[int]:
+    """DeepseekV4ForCausalLM.generate, greedy, eager, with transformers' own cache."""
+    device = model.lm_head.weight.device
+    ids = torch.tensor([prompt], device=device)
+    # An explicit mask: otherwise generate treats prompt tokens equal to pad_token_id as padding.
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                         do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@torch.no_grad()
+def transformers_logits(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
+    """One no-cache forward over `tokens`: logits [len(tokens), V] in f32."""
+    device = model.lm_head.weight.device
+    return model(torch.tensor([tokens], device=device), use_cache=False).logits[0].float()
+
+
+class StepRecorder:
+    """Wraps an engine's step and keeps (input_ids, start_pos, rows, logits) of every call."""
+
+    def __init__(self, step):
+        self.step = step
+        self.calls: list[tuple[torch.Tensor, ...]] = []
+
+    def __call__(self, input_ids, start_pos, rows):
+        logits = self.step(input_ids, start_pos, rows)
+        self.calls.append((input_ids.cpu(), start_pos.cpu(), rows.cpu(), logits.float().cpu().clone()))
+        return logits
