@@ -37,6 +37,17 @@ TINY_CONFIG: dict[str, Any] = {
 }
 
 
+# Fewer layers (still every layer type and both MoE kinds) and Sinkhorn steps: inductor's CPU
+# codegen time grows with the graph, and the demo and the compile tests run on 2 CPU cores.
+FAST_COMPILE_OVERRIDES: dict[str, Any] = {
+    "num_hidden_layers": 4,
+    "layer_types": ["sliding_attention", "compressed_sparse_attention",
+                    "heavily_compressed_attention", "compressed_sparse_attention"],
+    "mlp_layer_types": ["hash_moe", "moe", "moe", "moe"],
+    "hc_sinkhorn_iters": 2,
+}
+
+
 def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                **overrides: Any) -> torch.nn.Module:
     """A random transformers DeepseekV4ForCausalLM from TINY_CONFIG (+ overrides), eval mode.

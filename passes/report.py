@@ -24,6 +24,14 @@ class PassReport:
         """Add one site for the graph being compiled."""
         self.records.append(SiteRecord(pass_name, site, matched, reason, self.graph))
 
+    def format(self) -> str:
+        """One line per site: graph, pass, site, matched or the reason it was not."""
+        if not self.records:
+            return "(no sites: no dsv4 pass is enabled, or no graph was compiled)"
+        return "\n".join(
+            f"{r.graph or '-'}  {r.pass_name}  {r.site}  " + ("matched" if r.matched else f"NOT matched: {r.reason}")
+            for r in self.records)
+
     def count(self, pass_name: str, graph: str | None = None) -> int:
         """Number of rewritten sites of `pass_name` (in `graph` if given)."""
         return sum(

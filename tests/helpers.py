@@ -1,22 +1,12 @@
 """Shared test helpers: prompts, transformers' greedy reference, and a step recorder."""
 import torch
 
-from dsv4_compile.tiny import tiny_model
-
-# Small config for tests that compile: every layer type, both MoE kinds, few Sinkhorn steps
-# so that inductor's CPU codegen stays within the CI budget.
-COMPILE_CONFIG = {
-    "num_hidden_layers": 4,
-    "layer_types": ["sliding_attention", "compressed_sparse_attention",
-                    "heavily_compressed_attention", "compressed_sparse_attention"],
-    "mlp_layer_types": ["hash_moe", "moe", "moe", "moe"],
-    "hc_sinkhorn_iters": 2,
-}
+from dsv4_compile.tiny import FAST_COMPILE_OVERRIDES, tiny_model
 
 
 def compile_model(seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.nn.Module:
     """The tiny model in its compile-test shape."""
-    return tiny_model(seed=seed, dtype=dtype, device=device, **COMPILE_CONFIG)
+    return tiny_model(seed=seed, dtype=dtype, device=device, **FAST_COMPILE_OVERRIDES)
 
 
 def make_prompts(lengths: tuple[int, ...], vocab: int, seed: int = 0) -> list[list[int]]:

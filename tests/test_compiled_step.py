@@ -1,0 +1,65 @@
+"""optimize(): the compiled step equals the uncompiled step (tokens and logits), decode and verify."""
+import pytest
+import torch
+
+import dsv4_compile
+from helpers import StepRecorder, compile_model, make_prompts
+
+LENGTHS = (37, 22, 9)
+NEW_TOKENS = 8
+# fp32: inductor fuses and reorders reductions (~1e-6 of the logit scale).
+REL_TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model():
+    return compile_model(seed=2)
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    engine = dsv4_compile.optimize(model, max_batch=4, max_context=256, verify_tokens=3, compile=False)
+    prompts = make_prompts(LENGTHS, model.config.vocab_size, seed=2)
+    return prompts, engine.generate(prompts, NEW_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def compiled(model):
+    return dsv4_compile.optimize(model, max_batch=4, max_context=256, verify_tokens=3)
+
+
+def _assert_steps_match(recorder: StepRecorder, eager_step) -> None:
+    assert recorder.calls
+    for input_ids, start_pos, rows, logits in recorder.calls:
+        expected = eager_step(input_ids, start_pos, rows).float()
+        assert (logits - expected).abs().max() <= REL_TOL * expected.abs().max()
+
+
+def test_compiled_decode_equals_uncompiled(model, reference, compiled):
+    prompts, expected = reference
+    recorder = StepRecorder(compiled.step)
+    compiled.step = recorder
+    try:
+        assert compiled.generate(prompts, NEW_TOKENS) == expected
+    finally:
+        compiled.step = recorder.step
+    assert all(ids.shape == (4, 1) for ids, *_ in recorder.calls)
+    eager = dsv4_compile.optimize(model, max_batch=4, max_context=256, verify_tokens=3, compile=False)
+    eager.generate(prompts, 1)
+    _assert_steps_match(recorder, eager.module)
+
+
+def test_compiled_verify_equals_greedy(reference, compiled):
+    """Drafts from the true continuation, wrong from the 2nd on: some accepted, some rejected."""
+    prompts, expected = reference
+    truth = {tuple(p): p + e for p, e in zip(prompts, expected)}
+
+    def draft(tokens):
+        for prompt, full in truth.items():
+            if tuple(tokens[:len(prompt)]) == prompt:
+                following = full[len(tokens):len(tokens) + 3]
+                return following[:1] + [(t + 1) % 256 for t in following[1:]]
+        raise AssertionError("unknown request")
+
+    assert compiled.generate(prompts, NEW_TOKENS, draft=draft) == expected
+    assert 0 < compiled.last_acceptance < 1
