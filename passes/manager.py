@@ -7,12 +7,12 @@ from pathlib import Path
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from .report import PassReport
+from .report import PassReport, register_report, report_for
 
 log = logging.getLogger("dsv4_compile")
 
 # Rewrites run in this order; each module exposes PASS_NAME and apply(graph, report) -> int.
-PASS_MODULES: tuple[str, ...] = ()
+PASS_MODULES: tuple[str, ...] = ("dsv4_compile.passes.indexer", "dsv4_compile.passes.fp4_moe")
 # Each module exposes register() -> None, installing its inductor lowerings.
 LOWERING_MODULES: tuple[str, ...] = ()
 
@@ -39,14 +39,15 @@ class Dsv4PostGradPass(CustomGraphPass):
 
     def __init__(self, config: PassConfig, report: PassReport, graph_label: str = "") -> None:
         self.config = config
-        self.report = report
+        self.report_key = register_report(report)
         self.graph_label = graph_label
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        self.report.graph = self.graph_label
+        report = report_for(self.report_key)
+        report.graph = self.graph_label
         for name in self.config.passes:
             module = importlib.import_module(name)
-            rewrites = module.apply(graph, self.report)
+            rewrites = module.apply(graph, report)
             log.debug("dsv4 pass %s: %d rewrite(s) in %s", module.PASS_NAME, rewrites, self.graph_label)
         graph.eliminate_dead_code()
 

@@ -1,4 +1,5 @@
 """The pass report: every site a pass considered, and whether it was rewritten."""
+import itertools
 from dataclasses import dataclass, field
 
 
@@ -38,3 +39,21 @@ class PassReport:
             r.matched and r.pass_name == pass_name and (graph is None or r.graph == graph)
             for r in self.records
         )
+
+
+# Inductor may copy the post-grad pass object (config patches are copied), so the pass refers to
+# its report by key rather than holding it.
+_REPORTS: dict[int, PassReport] = {}
+_KEYS = itertools.count()
+
+
+def register_report(report: PassReport) -> int:
+    """A key under which `report` can be found by `report_for`."""
+    key = next(_KEYS)
+    _REPORTS[key] = report
+    return key
+
+
+def report_for(key: int) -> PassReport:
+    """The report registered under `key`."""
+    return _REPORTS[key]

@@ -1,8 +1,10 @@
-"""optimize(): the compiled step equals the uncompiled step (tokens and logits), decode and verify."""
+"""optimize(): the compiled step equals the uncompiled step (tokens and logits), decode and verify,
+with the dsv4 passes rewriting the hot spots (the model's experts are MXFP4)."""
 import pytest
 import torch
 
 import dsv4_compile
+from dsv4_compile.model.fp4_experts import quantize_experts_
 from helpers import StepRecorder, compile_model, make_prompts
 
 LENGTHS = (37, 22, 9)
@@ -11,9 +13,14 @@ NEW_TOKENS = 8
 REL_TOL = 1e-4
 
 
+LAYERS = 4
+
+
 @pytest.fixture(scope="module")
 def model():
-    return compile_model(seed=2)
+    model = compile_model(seed=2)
+    quantize_experts_(model, "mxfp4")
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +51,7 @@ def test_compiled_decode_equals_uncompiled(model, reference, compiled):
     finally:
         compiled.step = recorder.step
     assert all(ids.shape == (4, 1) for ids, *_ in recorder.calls)
+    assert compiled.report.count("fp4_moe", "T=1") == LAYERS
     eager = dsv4_compile.optimize(model, max_batch=4, max_context=256, verify_tokens=3, compile=False)
     eager.generate(prompts, 1)
     _assert_steps_match(recorder, eager.module)
@@ -63,3 +71,4 @@ def test_compiled_verify_equals_greedy(reference, compiled):
 
     assert compiled.generate(prompts, NEW_TOKENS, draft=draft) == expected
     assert 0 < compiled.last_acceptance < 1
+    assert compiled.report.count("fp4_moe", "T=4") == LAYERS

@@ -15,7 +15,7 @@ def test_readme_has_exactly_two_commands_and_ci_runs_the_test_command():
     commands = _readme_commands()
     assert len(commands) == 2, commands
     demo, tests = commands
-    assert "python -m dsv4_compile demo" in demo
+    assert "dsv4-compile demo" in demo
     ci_lines = [line for line in (ROOT / ".ci" / "run").read_text().splitlines()
                 if line and not line.startswith(("#", "set ", "cd "))]
     assert ci_lines == [tests]

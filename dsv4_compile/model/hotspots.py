@@ -81,14 +81,7 @@ def moe_experts_gathered(
     sum_j w[m, j] * W2[e_j] @ (silu(min(gate, limit)) * clamp(up, -limit, limit)).
     """
     ids = topk_ids.long()
-    gate_up = torch.matmul(w13[ids], x[:, None, :, None]).squeeze(-1)  # [M, k, 2I]
-    gate, up = gate_up.chunk(2, dim=-1)
-    if swiglu_limit is not None:
-        gate = gate.clamp(max=swiglu_limit)
-        up = up.clamp(min=-swiglu_limit, max=swiglu_limit)
-    hidden = F.silu(gate) * up
-    out = torch.matmul(w2[ids], hidden.unsqueeze(-1)).squeeze(-1)  # [M, k, K]
-    return (out * topk_weights.unsqueeze(-1)).to(x.dtype).sum(dim=1)
+    return _routed_swiglu(x, w13[ids], w2[ids], topk_weights, swiglu_limit)
 
 
 def moe_experts_fp4(
@@ -121,9 +114,17 @@ def moe_experts_fp4(
     else:
         gate_up_w = dequantize_nvfp4(w13[ids], w13_scale[ids], w13_global[ids], x.dtype)
         down_w = dequantize_nvfp4(w2[ids], w2_scale[ids], w2_global[ids], x.dtype)
-    # The gathered weights are already per (token, choice): index them with an identity table.
-    tokens, top_k = ids.shape
-    choice = torch.arange(tokens * top_k, device=ids.device).view(tokens, top_k)
-    return moe_experts_gathered(
-        x, choice, topk_weights, gate_up_w.flatten(0, 1), down_w.flatten(0, 1), swiglu_limit
-    )
+    return _routed_swiglu(x, gate_up_w, down_w, topk_weights, swiglu_limit)
+
+
+def _routed_swiglu(x: torch.Tensor, gate_up_w: torch.Tensor, down_w: torch.Tensor,
+                   topk_weights: torch.Tensor, swiglu_limit: float | None) -> torch.Tensor:
+    """x [M, K], per-(token, choice) weights gate_up_w [M, k, 2I, K], down_w [M, k, K, I]."""
+    gate_up = torch.matmul(gate_up_w, x[:, None, :, None]).squeeze(-1)  # [M, k, 2I]
+    gate, up = gate_up.chunk(2, dim=-1)
+    if swiglu_limit is not None:
+        gate = gate.clamp(max=swiglu_limit)
+        up = up.clamp(min=-swiglu_limit, max=swiglu_limit)
+    hidden = F.silu(gate) * up
+    out = torch.matmul(down_w, hidden.unsqueeze(-1)).squeeze(-1)  # [M, k, K]
+    return (out * topk_weights.unsqueeze(-1)).to(x.dtype).sum(dim=1)

@@ -3,20 +3,18 @@ import torch
 from torch import nn
 
 from .attention import StaticAttention
-from .hotspots import moe_experts_gathered
+from .fp4_experts import RoutedExperts, routed_experts
 from .layout import StepLayout
 
 
-def _moe(block: nn.Module, hidden: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+def _moe(block: nn.Module, experts: RoutedExperts, hidden: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """transformers' DeepseekV4SparseMoeBlock without host syncs. hidden [B, T, K]."""
     batch, tokens, width = hidden.shape
     if block.is_hash:
         _, weights, ids = block.gate(hidden, input_ids)
     else:
         _, weights, ids = block.gate(hidden)
-    experts = block.experts
-    routed = moe_experts_gathered(hidden.reshape(-1, width), ids, weights, experts.gate_up_proj,
-                                  experts.down_proj, experts.limit)
+    routed = experts(hidden.reshape(-1, width), ids, weights)
     return routed.view(batch, tokens, width) + block.shared_experts(hidden)
 
 
@@ -39,6 +37,7 @@ class DeepseekV4Step(nn.Module):
         self.register_buffer("page_table", table, persistent=False)
         self.attention = nn.ModuleList(
             StaticAttention(layer.self_attn, layout, pages) for layer in inner.layers)
+        self.experts = [routed_experts(layer.mlp.experts) for layer in inner.layers]
 
     def live_state(self, row: int, length: int) -> dict[str, torch.Tensor]:
         """Every cache entry a later step of cache row `row` can read once `length` tokens are
@@ -58,7 +57,7 @@ class DeepseekV4Step(nn.Module):
         hidden = embeds.unsqueeze(2).expand(-1, -1, config.hc_mult, -1).contiguous()
         rope = {kind: inner.rotary_emb(embeds, position_ids=positions, layer_type=kind)
                 for kind in ("main", "compress")}
-        for layer, attention in zip(inner.layers, self.attention):
+        for layer, attention, experts in zip(inner.layers, self.attention, self.experts):
             dtype = hidden.dtype
             post, comb, collapsed = layer.attn_hc(hidden)
             kind = "main" if attention.layer_type == "sliding_attention" else "compress"
@@ -66,7 +65,7 @@ class DeepseekV4Step(nn.Module):
             hidden = post.to(dtype).unsqueeze(-1) * attn_out.unsqueeze(-2) + torch.matmul(
                 comb.to(dtype).transpose(-1, -2), hidden)
             post, comb, collapsed = layer.ffn_hc(hidden)
-            mlp_out = _moe(layer.mlp, layer.post_attention_layernorm(collapsed), input_ids)
+            mlp_out = _moe(layer.mlp, experts, layer.post_attention_layernorm(collapsed), input_ids)
             hidden = post.to(dtype).unsqueeze(-1) * mlp_out.unsqueeze(-2) + torch.matmul(
                 comb.to(dtype).transpose(-1, -2), hidden)
         return self.hf.lm_head(inner.norm(inner.hc_head(hidden)))

@@ -1,0 +1,83 @@
+"""Routed experts in FP4 (MXFP4 or NVFP4) and how the step reads any expert storage."""
+from typing import Callable
+
+import torch
+from torch import nn
+
+from dsv4_compile.fp4 import (dequantize_mxfp4, dequantize_nvfp4, experts_from_transformers,
+                              quantize_mxfp4, quantize_nvfp4)
+
+from .hotspots import moe_experts_fp4, moe_experts_gathered
+
+FP4_FORMATS = ("mxfp4", "nvfp4")
+RoutedExperts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Fp4Experts(nn.Module):
+    """A drop-in for transformers' DeepseekV4Experts whose weights are packed FP4.
+
+    Buffers: w13 [E, 2I, K/2] and w2 [E, K, I/2] uint8 (e2m1 pairs), their scales (MXFP4:
+    uint8 ue8m0 per 32; NVFP4: e4m3 per 16) and, for NVFP4, per-expert f32 global scales.
+    forward(hidden [M, K], top_k_index [M, k], top_k_weights [M, k]) -> [M, K] dequantises the
+    gathered experts in plain torch, so transformers' own forward can run it too.
+    """
+
+    def __init__(self, fmt: str, tensors: dict[str, torch.Tensor | None], limit: float | None) -> None:
+        super().__init__()
+        if fmt not in FP4_FORMATS:
+            raise ValueError(f"fmt must be one of {FP4_FORMATS}; got {fmt!r}")
+        self.fmt = fmt
+        self.limit = limit
+        for name in ("w13", "w13_scale", "w2", "w2_scale", "w13_global", "w2_global"):
+            self.register_buffer(name, tensors.get(name))
+
+    @classmethod
+    def quantize(cls, experts: nn.Module, fmt: str) -> "Fp4Experts":
+        """Quantises a dense DeepseekV4Experts (gate_up_proj [E, 2I, K], down_proj [E, K, I])."""
+        tensors: dict[str, torch.Tensor | None] = {}
+        for name, weight in (("w13", experts.gate_up_proj), ("w2", experts.down_proj)):
+            if fmt == "mxfp4":
+                tensors[name], tensors[f"{name}_scale"] = quantize_mxfp4(weight.detach().float())
+                tensors[f"{name}_global"] = None
+            else:
+                tensors[name], tensors[f"{name}_scale"], tensors[f"{name}_global"] = quantize_nvfp4(
+                    weight.detach().float())
+        return cls(fmt, tensors, experts.limit)
+
+    def dequantized(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [E, 2I, K], down [E, K, I]) in `dtype`."""
+        if self.fmt == "mxfp4":
+            return (dequantize_mxfp4(self.w13, self.w13_scale, dtype),
+                    dequantize_mxfp4(self.w2, self.w2_scale, dtype))
+        return (dequantize_nvfp4(self.w13, self.w13_scale, self.w13_global, dtype),
+                dequantize_nvfp4(self.w2, self.w2_scale, self.w2_global, dtype))
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        return moe_experts_fp4(hidden_states, top_k_index, top_k_weights, self.w13, self.w13_scale,
+                               self.w2, self.w2_scale, self.fmt, self.w13_global, self.w2_global, self.limit)
+
+
+def quantize_experts_(model: nn.Module, fmt: str) -> None:
+    """Replaces, in place, every dense routed-experts module of a DeepseekV4ForCausalLM by an
+    Fp4Experts in `fmt` (the offline quantiser for tests and demos without FP4 checkpoints)."""
+    for layer in model.model.layers:
+        layer.mlp.experts = Fp4Experts.quantize(layer.mlp.experts, fmt).to(layer.mlp.experts.gate_up_proj.device)
+
+
+def routed_experts(experts: nn.Module) -> RoutedExperts:
+    """The plain-torch routed-experts form for any expert storage:
+    (x [M, K], topk_ids [M, k], topk_weights [M, k]) -> [M, K].
+
+    Dense transformers experts, Fp4Experts, and transformers' FP8Experts holding FP4 weights
+    (read as MXFP4 views, no copies) are understood.
+    """
+    if isinstance(experts, Fp4Experts):
+        return experts.forward
+    if experts.gate_up_proj.dtype in (torch.int8, torch.uint8):
+        ops = experts_from_transformers(experts)
+        return lambda x, ids, weights: moe_experts_fp4(
+            x, ids, weights, ops["w13"], ops["w13_scale"], ops["w2"], ops["w2_scale"], ops["fmt"],
+            ops["w13_global"], ops["w2_global"], ops["swiglu_limit"])
+    return lambda x, ids, weights: moe_experts_gathered(
+        x, ids, weights, experts.gate_up_proj, experts.down_proj, experts.limit)

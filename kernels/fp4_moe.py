@@ -1,0 +1,461 @@
+"""dsv4::fp4_moe: routed experts with FP4 (MXFP4 / NVFP4) weights, dequantised in the kernel.
+
+out[m] = sum_j topk_weights[m, j] * W2[e_j] @ (silu(min(gate, L)) * clamp(up, -L, L)),
+[gate, up] = W13[e_j] @ x[m], for every choice j with 0 <= e_j < E (-1 = expert on another rank).
+
+Launch (capture-safe: static shapes, no host syncs):
+1. The M*k (token, choice) pairs are sorted by expert with torch ops; each expert's pairs are
+   cut into blocks of BLOCK_M rows. At most cdiv(M*k, BLOCK_M) + min(E, M*k) blocks exist, so
+   the grid is that static bound and surplus blocks exit at once.
+2. `_gate_up_kernel`: per (block, I tile): x rows @ dequant(W13 gate/up tile)^T, clamped
+   SwiGLU -> hidden [M*k, I] in sorted-pair order.
+3. `_down_kernel`: per (block, K tile): hidden rows @ dequant(W2 tile)^T times the routing
+   weight -> per-pair outputs [M*k, K] f32 at the pair's own index.
+4. `combine_pairs`: out[m] = sum over the valid choices of m (a torch epilogue that inductor
+   can fuse with what follows, e.g. the shared-expert add).
+
+Weights are dequantised to the dot dtype (bf16 for bf16 x on GPU, f32 for f32 x and under the
+interpreter) before tl.dot; on sm_100+ MXFP4 uses tl.dot_scaled on the packed codes instead.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4_compile.fp4 import dequantize_mxfp4, dequantize_nvfp4
+
+from ._runtime import triton_runs_on
+
+logger = logging.getLogger("dsv4_compile")
+
+FORMATS = ("mxfp4", "nvfp4")
+GROUP = {"mxfp4": 32, "nvfp4": 16}
+
+
+# ----------------------------------------------------------------------------- validation
+def check_fp4_moe_inputs(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    fmt: str,
+    w13_global: torch.Tensor | None,
+    w2_global: torch.Tensor | None,
+) -> tuple[int, int, int, int, int]:
+    """Shape/dtype checks that need no host sync. Returns (M, K, E, I, k)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"fp4_moe: fmt must be one of {FORMATS}, got {fmt!r}")
+    if x.ndim != 2 or x.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"fp4_moe: x must be [M, K] bf16 or f32, got {tuple(x.shape)} {x.dtype}")
+    tokens, hidden = x.shape
+    if topk_ids.ndim != 2 or topk_ids.shape[0] != tokens or topk_ids.dtype != torch.int32:
+        raise TypeError(f"fp4_moe: topk_ids must be [M={tokens}, k] int32, got {tuple(topk_ids.shape)} {topk_ids.dtype}")
+    top_k = topk_ids.shape[1]
+    if tuple(topk_weights.shape) != (tokens, top_k) or topk_weights.dtype != torch.float32:
+        raise TypeError(
+            f"fp4_moe: topk_weights must be [{tokens}, {top_k}] float32, got {tuple(topk_weights.shape)} {topk_weights.dtype}"
+        )
+    for name, w in (("w13", w13), ("w2", w2)):
+        if w.ndim != 3 or w.dtype != torch.uint8:
+            raise TypeError(f"fp4_moe: {name} must be [E, rows, cols/2] uint8, got {tuple(w.shape)} {w.dtype}")
+    experts, two_inter, half_hidden = w13.shape
+    inter = two_inter // 2
+    group = GROUP[fmt]
+    if 2 * half_hidden != hidden or hidden % group:
+        raise ValueError(f"fp4_moe: w13 packs K={2 * half_hidden} per row, x has K={hidden} (K must be a multiple of {group})")
+    if two_inter % 2 or inter % group:
+        raise ValueError(f"fp4_moe: w13 rows 2I={two_inter}: I must be a multiple of {group}")
+    if tuple(w2.shape) != (experts, hidden, inter // 2):
+        raise ValueError(f"fp4_moe: w2 must be [E={experts}, K={hidden}, I/2={inter // 2}], got {tuple(w2.shape)}")
+    scale_dtype = torch.uint8 if fmt == "mxfp4" else torch.float8_e4m3fn
+    for name, scale, shape in (
+        ("w13_scale", w13_scale, (experts, two_inter, hidden // group)),
+        ("w2_scale", w2_scale, (experts, hidden, inter // group)),
+    ):
+        if scale.dtype != scale_dtype:
+            raise TypeError(f"fp4_moe: {name} must be {scale_dtype} for {fmt}, got {scale.dtype}")
+        if tuple(scale.shape) != shape:
+            raise ValueError(f"fp4_moe: {name} must be {list(shape)} for {fmt}, got {list(scale.shape)}")
+    for name, glob in (("w13_global", w13_global), ("w2_global", w2_global)):
+        if fmt == "mxfp4" and glob is not None:
+            raise ValueError(f"fp4_moe: {name} must be None for mxfp4")
+        if fmt == "nvfp4" and (glob is None or tuple(glob.shape) != (experts,) or glob.dtype != torch.float32):
+            got = None if glob is None else (tuple(glob.shape), glob.dtype)
+            raise TypeError(f"fp4_moe: {name} must be [E={experts}] float32 for nvfp4, got {got}")
+    return tokens, hidden, experts, inter, top_k
+
+
+def check_expert_ids(topk_ids: torch.Tensor, experts: int) -> None:
+    """Eager-only id range check (a host sync): ids must be in [-1, E).
+
+    Skipped while a CUDA graph is being captured, and absent from the lowered compiled path
+    (dsv4::fp4_moe_pairs): those rely on the router producing in-range ids; the kernels treat
+    any id outside [0, E) as "skip", so a bad id there drops the choice rather than reading
+    out of bounds.
+    """
+    if topk_ids.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    if topk_ids.numel() and (int(topk_ids.min()) < -1 or int(topk_ids.max()) >= experts):
+        raise ValueError(
+            f"fp4_moe: topk_ids must be in [-1, {experts}), got range "
+            f"[{int(topk_ids.min())}, {int(topk_ids.max())}]"
+        )
+
+
+# ----------------------------------------------------------------------------- reference
+def _dequantize(packed, scale, glob, fmt, dtype):
+    if fmt == "mxfp4":
+        return dequantize_mxfp4(packed, scale, dtype)
+    return dequantize_nvfp4(packed, scale, glob, dtype)
+
+
+def fp4_moe_reference(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    fmt: str,
+    w13_global: torch.Tensor | None,
+    w2_global: torch.Tensor | None,
+    swiglu_limit: float | None,
+) -> torch.Tensor:
+    """The spec, in f32: loops over the experts that receive tokens (host syncs; eager only).
+
+    Shapes as in the op. Returns [M, K] in x's dtype.
+    """
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    ids = topk_ids.long()
+    valid = (ids >= 0) & (ids < w13.shape[0])
+    for expert in torch.unique(ids[valid]).tolist():
+        token, choice = torch.nonzero(ids == expert, as_tuple=True)
+        g13 = None if w13_global is None else w13_global[expert]
+        g2 = None if w2_global is None else w2_global[expert]
+        gate_up = x[token].float() @ _dequantize(w13[expert], w13_scale[expert], g13, fmt, torch.float32).T
+        gate, up = gate_up.chunk(2, dim=-1)
+        if swiglu_limit is not None:
+            gate = gate.clamp(max=swiglu_limit)
+            up = up.clamp(min=-swiglu_limit, max=swiglu_limit)
+        hidden = torch.nn.functional.silu(gate) * up
+        down = hidden @ _dequantize(w2[expert], w2_scale[expert], g2, fmt, torch.float32).T
+        out.index_add_(0, token, down * topk_weights[token, choice, None])
+    return out.to(x.dtype)
+
+
+# ----------------------------------------------------------------------------- Triton
+@triton.jit
+def _e2m1_times_2pow_minus14(codes):
+    """e2m1 codes (0..15) -> f32 value * 2**-14: the 3 magnitude bits become an fp16 exponent/mantissa
+    (e=0 lands on an fp16 subnormal, which is exact), the sign moves to bit 15."""
+    c = codes.to(tl.int16)
+    bits = ((c & 7) << 9) | ((c & 8) << 12)
+    return bits.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _block_scale(s_raw, IS_MX: tl.constexpr):
+    """Scale bytes -> f32: ue8m0 2**(s-127) (s=0 reads as 0), or e4m3 via fp16 bits (times 2**8)."""
+    if IS_MX:
+        return (s_raw.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    s = s_raw.to(tl.int16)
+    bits = ((s & 0x7F) << 7) | ((s & 0x80) << 8)
+    return bits.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+
+
+@triton.jit
+def _dequant_tile(w_ptr, s_ptr, rows, row_mask, k0, stride_w, stride_s,
+                  BLOCK_K: tl.constexpr, GROUP: tl.constexpr, IS_MX: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Rows `rows` [BN] x K columns [k0, k0+BLOCK_K) of a packed FP4 matrix -> [BN, BLOCK_K] DOT_DTYPE
+    (without the nvfp4 global scale)."""
+    half = tl.arange(0, BLOCK_K // 2)
+    packed = tl.load(w_ptr + rows[:, None] * stride_w + (k0 // 2 + half)[None, :], mask=row_mask[:, None], other=0)
+    codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (rows.shape[0], BLOCK_K))
+    groups = tl.arange(0, BLOCK_K // GROUP)
+    s_raw = tl.load(s_ptr + rows[:, None] * stride_s + (k0 // GROUP + groups)[None, :], mask=row_mask[:, None], other=0)
+    scale = _block_scale(s_raw, IS_MX) * 16384.0
+    values = tl.reshape(_e2m1_times_2pow_minus14(codes), (rows.shape[0], BLOCK_K // GROUP, GROUP))
+    return tl.reshape(values * scale[:, :, None], (rows.shape[0], BLOCK_K)).to(DOT_DTYPE)
+
+
+@triton.jit
+def _scaled_dot(acc, a, w_ptr, s_ptr, rows, row_mask, k0, stride_w, stride_s, BLOCK_K: tl.constexpr):
+    """acc += a [BM, BLOCK_K] @ MXFP4 rows^T via tl.dot_scaled on the packed codes (sm_100+)."""
+    half = tl.arange(0, BLOCK_K // 2)
+    packed_t = tl.load(w_ptr + rows[None, :] * stride_w + (k0 // 2 + half)[:, None], mask=row_mask[None, :], other=0)
+    groups = tl.arange(0, BLOCK_K // 32)
+    s_raw = tl.load(s_ptr + rows[:, None] * stride_s + (k0 // 32 + groups)[None, :], mask=row_mask[:, None], other=0)
+    return tl.dot_scaled(a.to(tl.bfloat16), None, "bf16", packed_t, s_raw, "e2m1", acc)
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, order_ptr, block_expert_ptr, block_start_ptr, block_end_ptr,
+    w13_ptr, s13_ptr, g13_ptr, hidden_ptr,
+    E,
+    stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h,
+    LIMIT,
+    K: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, IS_MX: tl.constexpr, USE_DOT_SCALED: tl.constexpr,
+    GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block)
+    if expert >= E:
+        return
+    start = tl.load(block_start_ptr + block)
+    end = tl.load(block_end_ptr + block)
+    rows = start + tl.arange(0, BLOCK_M)
+    row_mask = rows < end
+    pair = tl.load(order_ptr + rows, mask=row_mask, other=0)
+    token = pair // TOP_K
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < I
+    w_base = w13_ptr + expert.to(tl.int64) * stride_we
+    s_base = s13_ptr + expert.to(tl.int64) * stride_se
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    kk = tl.arange(0, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):
+        a = tl.load(x_ptr + token[:, None] * stride_x + (k0 + kk)[None, :], mask=row_mask[:, None], other=0.0)
+        if USE_DOT_SCALED:
+            acc_gate = _scaled_dot(acc_gate, a, w_base, s_base, cols, col_mask, k0, stride_wn, stride_sn, BLOCK_K)
+            acc_up = _scaled_dot(acc_up, a, w_base, s_base, cols + I, col_mask, k0, stride_wn, stride_sn, BLOCK_K)
+        else:
+            a = a.to(DOT_DTYPE)
+            gate_w = _dequant_tile(w_base, s_base, cols, col_mask, k0, stride_wn, stride_sn,
+                                   BLOCK_K, GROUP, IS_MX, DOT_DTYPE)
+            acc_gate = tl.dot(a, tl.trans(gate_w), acc_gate, input_precision="ieee")
+            up_w = _dequant_tile(w_base, s_base, cols + I, col_mask, k0, stride_wn, stride_sn,
+                                 BLOCK_K, GROUP, IS_MX, DOT_DTYPE)
+            acc_up = tl.dot(a, tl.trans(up_w), acc_up, input_precision="ieee")
+    if not IS_MX:
+        glob = tl.load(g13_ptr + expert)
+        acc_gate = acc_gate * glob
+        acc_up = acc_up * glob
+    if HAS_LIMIT:
+        acc_gate = tl.minimum(acc_gate, LIMIT)
+        acc_up = tl.minimum(tl.maximum(acc_up, -LIMIT), LIMIT)
+    act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
+    out_mask = row_mask[:, None] & col_mask[None, :]
+    tl.store(hidden_ptr + rows[:, None] * stride_h + cols[None, :], act.to(hidden_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _down_kernel(
+    hidden_ptr, order_ptr, block_expert_ptr, block_start_ptr, block_end_ptr, weights_ptr,
+    w2_ptr, s2_ptr, g2_ptr, pair_out_ptr,
+    E,
+    stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_o,
+    K: tl.constexpr, I: tl.constexpr,
+    IS_MX: tl.constexpr, USE_DOT_SCALED: tl.constexpr,
+    GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block)
+    if expert >= E:
+        return
+    start = tl.load(block_start_ptr + block)
+    end = tl.load(block_end_ptr + block)
+    rows = start + tl.arange(0, BLOCK_M)
+    row_mask = rows < end
+    pair = tl.load(order_ptr + rows, mask=row_mask, other=0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < K
+    w_base = w2_ptr + expert.to(tl.int64) * stride_we
+    s_base = s2_ptr + expert.to(tl.int64) * stride_se
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    kk = tl.arange(0, BLOCK_K)
+    for k0 in range(0, I, BLOCK_K):
+        a = tl.load(hidden_ptr + rows[:, None] * stride_h + (k0 + kk)[None, :], mask=row_mask[:, None], other=0.0)
+        if USE_DOT_SCALED:
+            acc = _scaled_dot(acc, a, w_base, s_base, cols, col_mask, k0, stride_wn, stride_sn, BLOCK_K)
+        else:
+            w = _dequant_tile(w_base, s_base, cols, col_mask, k0, stride_wn, stride_sn,
+                              BLOCK_K, GROUP, IS_MX, DOT_DTYPE)
+            acc = tl.dot(a.to(DOT_DTYPE), tl.trans(w), acc, input_precision="ieee")
+    routing = tl.load(weights_ptr + pair, mask=row_mask, other=0.0)
+    if not IS_MX:
+        routing = routing * tl.load(g2_ptr + expert)
+    acc = acc * routing[:, None]
+    out_mask = row_mask[:, None] & col_mask[None, :]
+    tl.store(pair_out_ptr + pair[:, None].to(tl.int64) * stride_o + cols[None, :], acc, mask=out_mask)
+
+
+def expert_blocks(topk_ids: torch.Tensor, experts: int, block_m: int):
+    """Group the (token, choice) pairs by expert into blocks of `block_m` rows, on device.
+
+    topk_ids [M, k] int32 -> (order [M*k] int32: pair indices sorted by expert,
+    block_expert / block_start / block_end [NB] int32: each block's expert (E = empty block) and
+    its row range in `order`), NB = cdiv(M*k, block_m) + min(E, M*k). Ids outside [0, E) are
+    sorted past every expert and never read.
+    """
+    ids = topk_ids.reshape(-1)
+    pairs = ids.numel()
+    device = ids.device
+    bucket = torch.where((ids >= 0) & (ids < experts), ids, experts).long()
+    order = torch.sort(bucket, stable=True).indices.to(torch.int32)
+    counts = torch.zeros(experts + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, bucket, torch.ones_like(bucket))
+    counts = counts[:experts]
+    blocks = (counts + block_m - 1) // block_m
+    block_end_idx = torch.cumsum(blocks, 0)
+    row_start = torch.cumsum(counts, 0) - counts
+    num_blocks = triton.cdiv(pairs, block_m) + min(experts, pairs)
+    block = torch.arange(num_blocks, device=device)
+    block_expert = torch.searchsorted(block_end_idx, block, right=True)
+    owner = block_expert.clamp(max=experts - 1)
+    local = block - (block_end_idx[owner] - blocks[owner])
+    block_start = row_start[owner] + local * block_m
+    block_end = row_start[owner] + counts[owner]
+    return order, block_expert.to(torch.int32), block_start.to(torch.int32), block_end.to(torch.int32)
+
+
+def combine_pairs(pair_out: torch.Tensor, topk_ids: torch.Tensor, experts: int, dtype: torch.dtype) -> torch.Tensor:
+    """pair_out [M*k, K] f32 (rows of skipped pairs unwritten) -> out [M, K] of `dtype`."""
+    tokens, top_k = topk_ids.shape
+    valid = ((topk_ids >= 0) & (topk_ids < experts)).unsqueeze(-1)
+    per_pair = pair_out.view(tokens, top_k, -1)
+    return torch.where(valid, per_pair, 0.0).sum(dim=1).to(dtype)
+
+
+def native_fp4_dot(x: torch.Tensor, fmt: str) -> bool:
+    """tl.dot_scaled on packed MXFP4 where the GPU has FP4 tensor cores (sm_100+)."""
+    return fmt == "mxfp4" and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 10
+
+
+def choose_block_m(pairs: int, experts: int) -> int:
+    """Rows per block: 16 while experts see few pairs each (decode, verify), 64 beyond."""
+    return 16 if pairs <= 16 * experts else 64
+
+
+def fp4_moe_pairs_triton(
+    x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, fmt, w13_global, w2_global, swiglu_limit,
+    pair_out: torch.Tensor | None = None, use_dot_scaled: bool | None = None,
+) -> torch.Tensor:
+    """Launch both kernels. Returns pair_out [M*k, K] f32, rows of skipped pairs left unwritten.
+
+    `pair_out` may be passed pre-poisoned (tests); `use_dot_scaled` overrides the arch choice.
+    """
+    tokens, hidden = x.shape
+    experts, two_inter, _ = w13.shape
+    inter, top_k = two_inter // 2, topk_ids.shape[1]
+    pairs = tokens * top_k
+    interpreted = not x.is_cuda
+    dot_dtype = tl.float32 if (interpreted or x.dtype == torch.float32) else tl.bfloat16
+    if use_dot_scaled is None:
+        use_dot_scaled = native_fp4_dot(x, fmt)
+    block_m = choose_block_m(pairs, experts)
+    group = GROUP[fmt]
+    x = x.contiguous()
+    order, block_expert, block_start, block_end = expert_blocks(topk_ids, experts, block_m)
+    hidden_rows = torch.empty(pairs, inter, dtype=torch.float32 if dot_dtype == tl.float32 else x.dtype, device=x.device)
+    if pair_out is None:
+        pair_out = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
+    if pairs == 0:
+        return pair_out
+    block_k = 128 if min(hidden, inter) % 128 == 0 else (64 if min(hidden, inter) % 64 == 0 else 32)
+    block_n = 64
+    # Scales are read as raw bytes; the nvfp4 e4m3 bytes are decoded in the kernel.
+    s13, s2 = w13_scale.view(torch.uint8), w2_scale.view(torch.uint8)
+    g13 = w13_global if w13_global is not None else s13  # unused pointer for mxfp4
+    g2 = w2_global if w2_global is not None else s2
+    weights = topk_weights.contiguous()
+    common = dict(IS_MX=fmt == "mxfp4", USE_DOT_SCALED=use_dot_scaled, GROUP=group, DOT_DTYPE=dot_dtype,
+                  BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=2)
+    num_blocks = block_expert.numel()
+    # K, I, k are constexpr: fixed per model, and loop bounds the interpreter (numpy >= 2.4) accepts.
+    _gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
+        x, order, block_expert, block_start, block_end, w13, s13, g13, hidden_rows,
+        experts,
+        x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), hidden_rows.stride(0),
+        float(swiglu_limit) if swiglu_limit is not None else 0.0,
+        K=hidden, I=inter, TOP_K=top_k, HAS_LIMIT=swiglu_limit is not None, **common,
+    )
+    _down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
+        hidden_rows, order, block_expert, block_start, block_end, weights, w2, s2, g2, pair_out,
+        experts,
+        hidden_rows.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), pair_out.stride(0),
+        K=hidden, I=inter, **common,
+    )
+    return pair_out
+
+
+# ----------------------------------------------------------------------------- registration
+@torch.library.custom_op("dsv4::fp4_moe_pairs", mutates_args=())
+def fp4_moe_pairs(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    fmt: str,
+    w13_global: torch.Tensor | None,
+    w2_global: torch.Tensor | None,
+    swiglu_limit: float | None,
+) -> torch.Tensor:
+    """The expert part of fp4_moe: [M*k, K] f32 weighted per-pair outputs (rows of skipped pairs
+    are unspecified; `combine_pairs` masks them). Used by the fp4_moe lowering."""
+    check_fp4_moe_inputs(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, fmt, w13_global, w2_global)
+    if triton_runs_on(x):
+        return fp4_moe_pairs_triton(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, fmt,
+                                    w13_global, w2_global, swiglu_limit)
+    tokens, top_k = topk_ids.shape
+    out = torch.zeros(tokens * top_k, x.shape[1], dtype=torch.float32, device=x.device)
+    for j in range(top_k):  # one choice at a time through the reference keeps the spec in one place
+        ids = torch.full_like(topk_ids, -1)
+        ids[:, j] = topk_ids[:, j]
+        out.view(tokens, top_k, -1)[:, j] = fp4_moe_reference(
+            x.float(), ids, topk_weights, w13, w13_scale, w2, w2_scale, fmt, w13_global, w2_global, swiglu_limit
+        )
+    return out
+
+
+@fp4_moe_pairs.register_fake
+def _(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, fmt, w13_global, w2_global, swiglu_limit):
+    return x.new_empty((topk_ids.shape[0] * topk_ids.shape[1], x.shape[1]), dtype=torch.float32)
+
+
+@torch.library.custom_op("dsv4::fp4_moe", mutates_args=())
+def fp4_moe(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    fmt: str,
+    w13_global: torch.Tensor | None,
+    w2_global: torch.Tensor | None,
+    swiglu_limit: float | None,
+) -> torch.Tensor:
+    """Routed FP4 experts. x [M, K] bf16/f32, topk_ids [M, k] int32 (-1 = skip), topk_weights
+    [M, k] f32, packed weights/scales as in the module docstring -> [M, K] in x's dtype.
+
+    Eager calls check every argument, including the id range (a host sync); see check_expert_ids.
+    """
+    check_fp4_moe_inputs(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, fmt, w13_global, w2_global)
+    check_expert_ids(topk_ids, w13.shape[0])
+    if not triton_runs_on(x):
+        return fp4_moe_reference(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, fmt,
+                                 w13_global, w2_global, swiglu_limit)
+    pair_out = fp4_moe_pairs_triton(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, fmt,
+                                    w13_global, w2_global, swiglu_limit)
+    return combine_pairs(pair_out, topk_ids, w13.shape[0], x.dtype)
+
+
+@fp4_moe.register_fake
+def _(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, fmt, w13_global, w2_global, swiglu_limit):
+    return torch.empty_like(x)

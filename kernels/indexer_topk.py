@@ -1,0 +1,529 @@
+"""Length-bounded lightning-indexer top-k: `torch.ops.dsv4.indexer_topk`.
+
+score[s] = k_scale[s] * sum_h weights[h] * relu(q[h] . k[s]) over the logical slots s < lens[b, t]
+of a paged key cache (pages of 64 slots); the op returns the logical slot numbers of a top-`topk`
+set, -1 past min(lens[b, t], topk), in no particular order.
+
+Two kernels, both on a static grid (capture-safe):
+  1. `_score_pages_kernel`, grid (B, splits): program (b, split) walks the logical pages
+     split, split + splits, ... below the request's last NEEDED page, reads each key page once
+     and scores it for all T query tokens of the request, writing f32 scores into a workspace
+     [B, T, max_pages * 64] only for s < lens[b, t]. A token with lens <= topk needs no score
+     (its answer is every visible slot), so it does not extend the pages read.
+  2. `_select_topk_kernel`, grid (B * T,): per row, a radix select over the order-preserving
+     integer image of the f32 scores of the valid prefix (4 passes of 8 bits) finds the
+     topk-th largest key; a compaction pass then writes every slot above it plus enough ties.
+Nothing past a request's valid pages is read; the workspace is never cleared.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4_compile.kernels._runtime import triton_runs_on
+
+PAGE_SIZE = 64
+MAX_TOPK = 2048
+MIN_HEADS, MAX_HEADS = 4, 128
+MAX_HEAD_DIM = 256
+_Q_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.float32)
+_K_DTYPES = (torch.float8_e4m3fn, torch.bfloat16, torch.float32)
+# Query columns (tokens x heads) scored by one tl.dot; bounds registers and shared memory.
+_MAX_DOT_ROWS = 256
+_SELECT_BLOCK = 4096
+
+
+# --------------------------------------------------------------------------------------------
+# Torch reference (the spec)
+# --------------------------------------------------------------------------------------------
+def indexer_scores_reference(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    k_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    page_table: torch.Tensor,
+    lens: torch.Tensor,
+) -> torch.Tensor:
+    """f32 scores [B, T, max_pages * 64]; slots at or past lens[b, t] are -inf.
+
+    Pages past a request's valid pages are replaced by physical page 0 before the gather (and
+    their slots masked), so page-table entries there are never used as indices.
+    """
+    batch, tokens, heads, head_dim = q.shape
+    max_pages = page_table.shape[1]
+    slots = max_pages * PAGE_SIZE
+    lens = lens.long().clamp(0, slots)
+    valid_pages = (lens.amax(dim=1) + PAGE_SIZE - 1) // PAGE_SIZE  # [B]
+    logical = torch.arange(max_pages, device=q.device)
+    physical = torch.where(logical < valid_pages[:, None], page_table.long(), 0)
+    keys = k_cache[physical].float().reshape(batch, slots, head_dim)
+    logits = torch.einsum("bthd,bsd->bths", q.float(), keys)
+    scores = (torch.relu(logits) * weights.float()[..., None]).sum(dim=2)  # [B, T, S]
+    if k_scale is not None:
+        scores = scores * k_scale[physical].float().reshape(batch, 1, slots)
+    visible = torch.arange(slots, device=q.device) < lens[..., None]
+    return torch.where(visible, scores, float("-inf"))
+
+
+def indexer_topk_reference(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    k_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    page_table: torch.Tensor,
+    lens: torch.Tensor,
+    topk: int,
+) -> torch.Tensor:
+    """idx [B, T, topk] int32: the top-`topk` logical slots by score (sorted), -1 past
+    min(lens[b, t], topk). Shapes and dtypes as `indexer_topk`; assumes finite valid scores."""
+    scores = indexer_scores_reference(q, weights, k_cache, k_scale, page_table, lens)
+    batch, tokens, slots = scores.shape
+    taken = min(topk, slots)
+    top = scores.topk(taken, dim=-1).indices
+    count = lens.long().clamp(0, slots).clamp(max=topk)[..., None]
+    idx = torch.full((batch, tokens, topk), -1, dtype=torch.int32, device=q.device)
+    rank = torch.arange(taken, device=q.device)
+    idx[..., :taken] = torch.where(rank < count, top, -1).to(torch.int32)
+    return idx
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _load_query_cols(q_ptr, w_ptr, b, t0, T, H, D,
+                     sq_b, sq_t, sq_h, sq_d, sw_b, sw_t, sw_h,
+                     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                     DOT_DTYPE: tl.constexpr):
+    """Columns c = (t - t0) * BLOCK_H + h: q^T [BLOCK_D, BLOCK_T * BLOCK_H] and weights [cols]."""
+    cols = tl.arange(0, BLOCK_T * BLOCK_H)
+    t = t0 + cols // BLOCK_H
+    h = cols % BLOCK_H
+    d = tl.arange(0, BLOCK_D)
+    col_ok = (t < T) & (h < H)
+    q_ptrs = q_ptr + b * sq_b + t[None, :] * sq_t + h[None, :] * sq_h + d[:, None] * sq_d
+    q_cols = tl.load(q_ptrs, mask=col_ok[None, :] & (d[:, None] < D), other=0.0)
+    w_cols = tl.load(w_ptr + b * sw_b + t * sw_t + h * sw_h, mask=col_ok, other=0.0)
+    return q_cols.to(DOT_DTYPE), w_cols.to(tl.float32)
+
+
+@triton.jit
+def _score_and_store(q_cols, w_cols, keys, scale, ws_ptr, b, t0, T, slot0, lens_ptr,
+                     sl_b, sl_t, S_MAX,
+                     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, PAGE: tl.constexpr,
+                     HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr):
+    """Scores of one key page for BLOCK_T tokens, stored where slot < lens[b, t].
+
+    Slots are the dot's M dimension and (token, head) its N dimension, so the sum over heads
+    reduces along the accumulator's rows (mostly within a thread).
+    """
+    logits = tl.dot(keys, q_cols, input_precision=PRECISION)  # [PAGE, cols] f32
+    weighted = tl.maximum(logits, 0.0) * w_cols[None, :]
+    scores = tl.sum(tl.reshape(weighted, (PAGE, BLOCK_T, BLOCK_H)), axis=2)  # [PAGE, BLOCK_T]
+    if HAS_SCALE:
+        scores = scores * scale[:, None]
+    t = t0 + tl.arange(0, BLOCK_T)
+    lens = tl.load(lens_ptr + b * sl_b + t * sl_t, mask=t < T, other=0)
+    lens = tl.minimum(tl.maximum(lens, 0), S_MAX)
+    slot = slot0 + tl.arange(0, PAGE)
+    keep = (t[None, :] < T) & (slot[:, None] < lens[None, :])
+    tl.store(ws_ptr + (b * T + t[None, :]) * S_MAX + slot[:, None], scores, mask=keep)
+
+
+@triton.jit
+def _score_page(page, q_cols, w_cols, q_ptr, w_ptr, k_ptr, ks_ptr, pt_ptr, lens_ptr, ws_ptr,
+                b, T, H, D, P, S_MAX,
+                sq_b, sq_t, sq_h, sq_d, sw_b, sw_t, sw_h,
+                sk_p, sk_s, sk_d, sks_p, sks_s, spt_b, spt_j, sl_b, sl_t,
+                N_TBLOCKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                BLOCK_D: tl.constexpr, PAGE: tl.constexpr, HAS_SCALE: tl.constexpr,
+                DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """Read logical page `page` of request b once and score it for all T tokens."""
+    slot_in_page = tl.arange(0, PAGE)
+    d = tl.arange(0, BLOCK_D)
+    phys = tl.load(pt_ptr + b * spt_b + page * spt_j)
+    page_ok = (phys >= 0) & (phys < P)  # only an unchecked (captured) call can fail this
+    phys = tl.where(page_ok, phys, 0).to(tl.int64)
+    k_ptrs = k_ptr + phys * sk_p + slot_in_page[:, None] * sk_s + d[None, :] * sk_d
+    keys = tl.load(k_ptrs, mask=page_ok & (d[None, :] < D), other=0.0).to(DOT_DTYPE)
+    scale = tl.zeros((PAGE,), tl.float32)
+    if HAS_SCALE:
+        scale = tl.load(ks_ptr + phys * sks_p + slot_in_page * sks_s, mask=page_ok,
+                        other=0.0).to(tl.float32)
+    if N_TBLOCKS == 1:
+        _score_and_store(q_cols, w_cols, keys, scale, ws_ptr, b, 0, T, page * PAGE,
+                         lens_ptr, sl_b, sl_t, S_MAX, BLOCK_T, BLOCK_H, PAGE,
+                         HAS_SCALE, PRECISION)
+    else:  # many tokens: the page stays on chip while the token blocks reload their queries
+        for tb in range(0, N_TBLOCKS):
+            qb, wb = _load_query_cols(q_ptr, w_ptr, b, tb * BLOCK_T, T, H, D, sq_b, sq_t,
+                                      sq_h, sq_d, sw_b, sw_t, sw_h, BLOCK_T, BLOCK_H,
+                                      BLOCK_D, DOT_DTYPE)
+            _score_and_store(qb, wb, keys, scale, ws_ptr, b, tb * BLOCK_T, T, page * PAGE,
+                             lens_ptr, sl_b, sl_t, S_MAX, BLOCK_T, BLOCK_H, PAGE,
+                             HAS_SCALE, PRECISION)
+
+
+@triton.jit
+def _score_pages_kernel(
+    q_ptr, w_ptr, k_ptr, ks_ptr, pt_ptr, lens_ptr, ws_ptr,
+    T, H, D, P, S_MAX, SPLITS, TOPK,
+    sq_b, sq_t, sq_h, sq_d, sw_b, sw_t, sw_h,
+    sk_p, sk_s, sk_d, sks_p, sks_s, spt_b, spt_j, sl_b, sl_t,
+    N_TBLOCKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr, PAGE: tl.constexpr, HAS_SCALE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, FOR_LOOPS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    split = tl.program_id(1)
+    # The last slot any token of this request needs scored: only tokens with lens > TOPK.
+    needed = 0
+    for tb in range(0, N_TBLOCKS):
+        t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+        lens = tl.load(lens_ptr + b * sl_b + t * sl_t, mask=t < T, other=0)
+        lens = tl.minimum(tl.maximum(lens, 0), S_MAX)
+        needed = tl.maximum(needed, tl.max(tl.where(lens > TOPK, lens, 0), axis=0))
+    n_pages = (needed + PAGE - 1) // PAGE
+
+    if split < n_pages:  # most programs of a short request have no page: skip the q load
+        q_cols = tl.zeros((BLOCK_D, BLOCK_T * BLOCK_H), DOT_DTYPE)
+        w_cols = tl.zeros((BLOCK_T * BLOCK_H,), tl.float32)
+        if N_TBLOCKS == 1:  # all tokens fit one dot: keep their queries in registers
+            q_cols, w_cols = _load_query_cols(q_ptr, w_ptr, b, 0, T, H, D, sq_b, sq_t, sq_h,
+                                              sq_d, sw_b, sw_t, sw_h, BLOCK_T, BLOCK_H, BLOCK_D,
+                                              DOT_DTYPE)
+        if FOR_LOOPS:  # software-pipelined on the GPU
+            for page in range(split, n_pages, SPLITS):
+                _score_page(page, q_cols, w_cols, q_ptr, w_ptr, k_ptr, ks_ptr, pt_ptr,
+                            lens_ptr, ws_ptr, b, T, H, D, P, S_MAX, sq_b, sq_t, sq_h, sq_d,
+                            sw_b, sw_t, sw_h,
+                            sk_p, sk_s, sk_d, sks_p, sks_s, spt_b, spt_j, sl_b, sl_t,
+                            N_TBLOCKS, BLOCK_T, BLOCK_H, BLOCK_D, PAGE, HAS_SCALE, DOT_DTYPE,
+                            PRECISION)
+        else:  # the interpreter (numpy >= 2.4) cannot take its 1-element tensors as range()
+            page = split
+            while page < n_pages:
+                _score_page(page, q_cols, w_cols, q_ptr, w_ptr, k_ptr, ks_ptr, pt_ptr,
+                            lens_ptr, ws_ptr, b, T, H, D, P, S_MAX, sq_b, sq_t, sq_h, sq_d,
+                            sw_b, sw_t, sw_h,
+                            sk_p, sk_s, sk_d, sks_p, sks_s, spt_b, spt_j, sl_b, sl_t,
+                            N_TBLOCKS, BLOCK_T, BLOCK_H, BLOCK_D, PAGE, HAS_SCALE, DOT_DTYPE,
+                            PRECISION)
+                page += SPLITS
+
+
+@triton.jit
+def _order_key(scores):
+    """int32 keys whose signed order is the float order of `scores` (f32)."""
+    bits = scores.to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton.jit
+def _digit_histogram(scores_row, start, n, prefix, PASS: tl.constexpr, BLOCK: tl.constexpr):
+    """Histogram [256] of digit PASS (8 bits, high first) of the unsigned keys in
+    [start, start + BLOCK) that agree with `prefix` on the higher digits."""
+    shift: tl.constexpr = 24 - 8 * PASS
+    offs = start + tl.arange(0, BLOCK)
+    valid = offs < n
+    u = _order_key(tl.load(scores_row + offs, mask=valid, other=0.0)) ^ -2147483648
+    if PASS > 0:
+        valid = valid & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
+    return tl.histogram((u >> shift) & 255, 256, mask=valid)
+
+
+@triton.jit
+def _compact_block(scores_row, out_row, start, n, threshold, remaining, taken, ties_seen,
+                   BLOCK: tl.constexpr):
+    """Write the slots in [start, start + BLOCK) above `threshold`, and ties while fewer than
+    `remaining` ties were taken; returns the updated (taken, ties_seen) counts."""
+    offs = start + tl.arange(0, BLOCK)
+    valid = offs < n
+    key = _order_key(tl.load(scores_row + offs, mask=valid, other=0.0))
+    above = (valid & (key > threshold)).to(tl.int32)
+    tie = (valid & (key == threshold)).to(tl.int32)
+    tie_rank = ties_seen + tl.cumsum(tie, axis=0) - tie
+    take = above | (tie & (tie_rank < remaining).to(tl.int32))
+    pos = taken + tl.cumsum(take, axis=0) - take
+    tl.store(out_row + pos, offs, mask=take != 0)
+    return taken + tl.sum(take, axis=0), ties_seen + tl.sum(tie, axis=0)
+
+
+@triton.jit
+def _select_topk_kernel(ws_ptr, out_ptr, lens_ptr, T, S_MAX, sl_b, sl_t,
+                        TOPK: tl.constexpr, BLOCK: tl.constexpr, FOR_LOOPS: tl.constexpr):
+    row = tl.program_id(0)  # b * T + t
+    b = row // T
+    t = row % T
+    n = tl.load(lens_ptr + b * sl_b + t * sl_t)
+    n = tl.minimum(tl.maximum(n, 0), S_MAX)
+    out_row = out_ptr + row.to(tl.int64) * TOPK
+    if n <= TOPK:  # every visible slot is selected
+        for start in range(0, TOPK, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            tl.store(out_row + offs, tl.where(offs < n, offs, -1), mask=offs < TOPK)
+    else:
+        scores_row = ws_ptr + row.to(tl.int64) * S_MAX
+        # Radix select on the unsigned image u = key ^ 0x80000000, 8 bits per pass, high first:
+        # `prefix` holds the digits fixed so far, `remaining` how many to take at or below it.
+        prefix = 0
+        remaining = TOPK
+        bins = tl.arange(0, 256)
+        for p in tl.static_range(4):
+            hist = tl.zeros((256,), tl.int32)
+            if FOR_LOOPS:
+                for start in range(0, n, BLOCK):
+                    hist += _digit_histogram(scores_row, start, n, prefix, p, BLOCK)
+            else:  # see _score_pages_kernel
+                start = 0
+                while start < n:
+                    hist += _digit_histogram(scores_row, start, n, prefix, p, BLOCK)
+                    start += BLOCK
+            at_or_above = tl.cumsum(hist, axis=0, reverse=True)
+            digit = tl.max(tl.where(at_or_above >= remaining, bins, 0), axis=0)
+            remaining -= tl.sum(tl.where(bins > digit, hist, 0), axis=0)
+            prefix = prefix | (digit << (24 - 8 * p))
+        threshold = prefix ^ -2147483648  # back to the signed key
+        taken = 0
+        ties_seen = 0
+        if FOR_LOOPS:
+            for start in range(0, n, BLOCK):
+                taken, ties_seen = _compact_block(scores_row, out_row, start, n, threshold,
+                                                  remaining, taken, ties_seen, BLOCK)
+        else:
+            start = 0
+            while start < n:
+                taken, ties_seen = _compact_block(scores_row, out_row, start, n, threshold,
+                                                  remaining, taken, ties_seen, BLOCK)
+                start += BLOCK
+
+
+# --------------------------------------------------------------------------------------------
+# Launch
+# --------------------------------------------------------------------------------------------
+def _dot_dtype(q: torch.Tensor, k_cache: torch.Tensor):
+    """(Triton dtype of the q.k products, tl.dot input precision). fp8 values are exact in bf16.
+
+    The interpreter computes bf16 dots wrongly (triton 3.6), so it always gets f32.
+    """
+    if torch.float32 in (q.dtype, k_cache.dtype) or not q.is_cuda:
+        return tl.float32, "ieee"
+    if q.dtype == k_cache.dtype == torch.float8_e4m3fn and q.is_cuda:
+        return tl.float8e4nv, None
+    return tl.bfloat16, None
+
+
+def _token_block(tokens: int, heads_block: int) -> int:
+    """Tokens per dot: at least 16 columns (tl.dot's minimum), at most _MAX_DOT_ROWS."""
+    per_dot = max(1, _MAX_DOT_ROWS // heads_block)
+    block = min(triton.next_power_of_2(tokens), per_dot)
+    return max(block, triton.next_power_of_2(max(1, 16 // heads_block)))
+
+
+def default_splits(batch: int, max_pages: int, device: torch.device) -> int:
+    """Programs per request in the scoring grid: about 16 per SM over the batch (measured on
+    the H200: more programs keep more key pages in flight)."""
+    if device.type != "cuda":
+        return min(2, max_pages)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(max_pages, triton.cdiv(16 * sms, batch)))
+
+
+def indexer_scores_triton(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    k_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    page_table: torch.Tensor,
+    lens: torch.Tensor,
+    topk: int,
+    *,
+    splits: int | None = None,
+    workspace: torch.Tensor | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+):
+    """Launch the scoring kernel; returns (workspace [B, T, max_pages * 64] f32, the kernel).
+
+    workspace[b, t, s] holds the score of slot s for s < lens[b, t] on the pages read for
+    request b: those below ceil(n / 64), n the largest lens[b, :] above topk (none if no token
+    of the request has more than topk visible slots). Every other element is left unwritten.
+    Arguments as `indexer_topk_triton`; `workspace` may be a caller's contiguous
+    [B, T, max_pages * 64] f32 tensor; num_warps and num_stages override the launch config.
+    """
+    batch, tokens, heads, head_dim = q.shape
+    max_pages = page_table.shape[1]
+    s_max = max_pages * PAGE_SIZE
+    if workspace is None:
+        workspace = torch.empty((batch, tokens, s_max), dtype=torch.float32, device=q.device)
+    block_h = triton.next_power_of_2(heads)
+    block_t = _token_block(tokens, block_h)
+    rows = block_t * block_h
+    splits = splits or default_splits(batch, max_pages, q.device)
+    dot_dtype, precision = _dot_dtype(q, k_cache)
+    has_scale = k_scale is not None
+    ks = k_scale if has_scale else k_cache  # unused pointer when there is no scale
+    ks_strides = (k_scale.stride(0), k_scale.stride(1)) if has_scale else (0, 0)
+    kernel = _score_pages_kernel[(batch, splits)](
+        q, weights, k_cache, ks, page_table, lens, workspace,
+        tokens, heads, head_dim, k_cache.shape[0], s_max, splits, topk,
+        *q.stride(), *weights.stride(), *k_cache.stride(), *ks_strides,
+        *page_table.stride(), *lens.stride(),
+        N_TBLOCKS=triton.cdiv(tokens, block_t), BLOCK_T=block_t, BLOCK_H=block_h,
+        BLOCK_D=triton.next_power_of_2(head_dim), PAGE=PAGE_SIZE, HAS_SCALE=has_scale,
+        DOT_DTYPE=dot_dtype, PRECISION=precision, FOR_LOOPS=q.is_cuda,
+        num_warps=num_warps or (8 if rows >= 128 else 4), num_stages=num_stages,
+    )
+    return workspace, kernel
+
+
+def indexer_topk_triton(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    k_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    page_table: torch.Tensor,
+    lens: torch.Tensor,
+    topk: int,
+    *,
+    out: torch.Tensor | None = None,
+    splits: int | None = None,
+    workspace: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, list]:
+    """Launch both kernels; returns (idx [B, T, topk] int32, the compiled kernels).
+
+    Arguments as `indexer_topk`, already validated (shapes and dtypes; lens and page ids are
+    clamped in the kernels, so no value can cause an out-of-bounds read). `out` may be a
+    pre-poisoned [B, T, topk] int32 contiguous tensor to write into, `workspace` a
+    (pre-poisoned) contiguous [B, T, max_pages * 64] f32 score buffer; `splits` overrides the
+    number of scoring programs per request.
+    """
+    batch, tokens = q.shape[:2]
+    if out is None:
+        out = torch.empty((batch, tokens, topk), dtype=torch.int32, device=q.device)
+    if batch == 0 or tokens == 0:
+        return out, []
+    workspace, score = indexer_scores_triton(q, weights, k_cache, k_scale, page_table, lens,
+                                             topk, splits=splits, workspace=workspace)
+    return out, [score, indexer_select_triton(workspace, lens, topk, out)]
+
+
+def indexer_select_triton(workspace: torch.Tensor, lens: torch.Tensor, topk: int,
+                          out: torch.Tensor, *, block: int = _SELECT_BLOCK):
+    """Launch the selection kernel over workspace [B, T, S] f32 (valid where s < lens[b, t]
+    and lens[b, t] > topk) into out [B, T, topk] int32 (contiguous); returns the kernel."""
+    batch, tokens, slots = workspace.shape
+    return _select_topk_kernel[(batch * tokens,)](
+        workspace, out, lens, tokens, slots, *lens.stride(),
+        TOPK=topk, BLOCK=block, FOR_LOOPS=workspace.is_cuda, num_warps=8,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Validation and registration
+# --------------------------------------------------------------------------------------------
+def check_indexer_args(q, weights, k_cache, k_scale, page_table, lens, topk) -> None:
+    """Shapes, dtypes, devices and the supported ranges; ValueError/TypeError naming the argument."""
+    tensors = dict(q=q, weights=weights, k_cache=k_cache, page_table=page_table, lens=lens)
+    if k_scale is not None:
+        tensors["k_scale"] = k_scale
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"indexer_topk: {name} must be a tensor, got {type(t).__name__}")
+    if not isinstance(topk, int) or isinstance(topk, bool) or not 1 <= topk <= MAX_TOPK:
+        raise ValueError(f"indexer_topk: topk must be an int in [1, {MAX_TOPK}], got {topk!r}")
+    if q.dim() != 4:
+        raise ValueError(f"indexer_topk: q must be [B, T, H, D], got shape {tuple(q.shape)}")
+    batch, tokens, heads, head_dim = q.shape
+    if q.dtype not in _Q_DTYPES:
+        raise ValueError(f"indexer_topk: q dtype must be one of {_Q_DTYPES}, got {q.dtype}")
+    if not MIN_HEADS <= heads <= MAX_HEADS:
+        raise ValueError(f"indexer_topk: heads H={heads} of q must be in [{MIN_HEADS}, {MAX_HEADS}]")
+    if head_dim % 16 or not 16 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(
+            f"indexer_topk: head dim D={head_dim} of q must be a multiple of 16 in [16, {MAX_HEAD_DIM}]")
+    if weights.shape != (batch, tokens, heads):
+        raise ValueError(f"indexer_topk: weights must be [B, T, H] = {(batch, tokens, heads)} "
+                         f"like q, got {tuple(weights.shape)}")
+    if weights.dtype != torch.float32:
+        raise ValueError(f"indexer_topk: weights must be float32, got {weights.dtype}")
+    if k_cache.dim() != 3 or k_cache.shape[1] != PAGE_SIZE or k_cache.shape[2] != head_dim:
+        raise ValueError(f"indexer_topk: k_cache must be [P, {PAGE_SIZE}, D={head_dim}] (D of q), "
+                         f"got {tuple(k_cache.shape)}")
+    if k_cache.shape[0] < 1:
+        raise ValueError("indexer_topk: k_cache must hold at least one page")
+    if k_cache.dtype not in _K_DTYPES:
+        raise ValueError(f"indexer_topk: k_cache dtype must be one of {_K_DTYPES}, got {k_cache.dtype}")
+    if k_scale is None:
+        if k_cache.dtype == torch.float8_e4m3fn:
+            raise ValueError("indexer_topk: fp8 k_cache needs k_scale [P, 64] float32, got None")
+    elif k_scale.shape != k_cache.shape[:2] or k_scale.dtype != torch.float32:
+        raise ValueError(f"indexer_topk: k_scale must be float32 [P, {PAGE_SIZE}] = "
+                         f"{tuple(k_cache.shape[:2])} like k_cache, got {k_scale.dtype} "
+                         f"{tuple(k_scale.shape)}")
+    if page_table.dim() != 2 or page_table.shape[0] != batch or page_table.dtype != torch.int32:
+        raise ValueError(f"indexer_topk: page_table must be int32 [B={batch}, max_pages] (B of q), "
+                         f"got {page_table.dtype} {tuple(page_table.shape)}")
+    if lens.shape != (batch, tokens) or lens.dtype != torch.int32:
+        raise ValueError(f"indexer_topk: lens must be int32 [B, T] = {(batch, tokens)} like q, "
+                         f"got {lens.dtype} {tuple(lens.shape)}")
+    for name, t in tensors.items():
+        if t.device != q.device:
+            raise ValueError(f"indexer_topk: {name} is on {t.device}, q on {q.device}")
+
+
+def check_indexer_values(k_cache, page_table, lens) -> None:
+    """lens in [0, max_pages * 64] and valid pages' ids in [0, P) (one host sync)."""
+    max_pages = page_table.shape[1]
+    slots = max_pages * PAGE_SIZE
+    lens64 = lens.long()
+    valid_pages = (lens64.clamp(0, slots).amax(dim=1, keepdim=True) + PAGE_SIZE - 1) // PAGE_SIZE
+    used = torch.arange(max_pages, device=lens.device) < valid_pages
+    bad_page = used & ((page_table < 0) | (page_table >= k_cache.shape[0]))
+    bad_lens, bad_pages = torch.stack([((lens64 < 0) | (lens64 > slots)).any(),
+                                       bad_page.any()]).tolist()
+    if bad_lens:
+        raise ValueError(f"indexer_topk: lens must lie in [0, max_pages * 64 = {slots}]")
+    if bad_pages:
+        raise ValueError(f"indexer_topk: page_table entries of valid pages must lie in "
+                         f"[0, P = {k_cache.shape[0]})")
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+@torch.library.custom_op("dsv4::indexer_topk", mutates_args=())
+def indexer_topk(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    k_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    page_table: torch.Tensor,
+    lens: torch.Tensor,
+    topk: int,
+) -> torch.Tensor:
+    """Length-bounded indexer top-k.
+
+    q [B, T, H, D] bf16/fp8 e4m3/f32 (4 <= H <= 128, D a multiple of 16 up to 256),
+    weights [B, T, H] f32, k_cache [P, 64, D] fp8 e4m3/bf16/f32 (any strides),
+    k_scale [P, 64] f32 or None (required for fp8 keys), page_table [B, max_pages] int32,
+    lens [B, T] int32 in [0, max_pages * 64], 1 <= topk <= 2048.
+    Returns idx [B, T, topk] int32: logical slots of a top-`topk` set of
+    k_scale[s] * sum_h weights[h] * relu(q[h] . k[s]) over s < lens[b, t], -1 past
+    min(lens[b, t], topk); order unspecified. Value checks are skipped while a CUDA graph is
+    being captured (the kernels clamp instead).
+    """
+    check_indexer_args(q, weights, k_cache, k_scale, page_table, lens, topk)
+    if not _capturing(q):
+        check_indexer_values(k_cache, page_table, lens)
+    if triton_runs_on(q):
+        return indexer_topk_triton(q, weights, k_cache, k_scale, page_table, lens, topk)[0]
+    return indexer_topk_reference(q, weights, k_cache, k_scale, page_table, lens, topk)
+
+
+@indexer_topk.register_fake
+def _indexer_topk_fake(q, weights, k_cache, k_scale, page_table, lens, topk):
+    batch, tokens = q.shape[:2]
+    return q.new_empty((batch, tokens, topk), dtype=torch.int32)

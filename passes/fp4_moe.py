@@ -1,0 +1,243 @@
+"""Rewrite the plain-torch FP4 MoE (gather packed experts, dequantise, SwiGLU GEMVs, weighted sum)
+to torch.ops.dsv4.fp4_moe in inductor's post-grad graph.
+
+Hand-written FX matching, keyed on the math rather than on one trace:
+  out = sum_j(w[m, j] * bmm(W2', act(bmm(W13', x))))      (the anchor: sum over the choice dim)
+where W13' / W2' are computed only from gathers `packed[ids]` of uint8 [E, rows, cols/2] graph
+inputs (plus their scales, and globals for NVFP4) by unpack/decode/scale ops, and
+act = silu(min(gate, L)) * clamp(up, -L, L) (or silu(gate) * up without a limit). The format
+comes from the scale dtype (uint8 ue8m0 -> mxfp4, e4m3 -> nvfp4). Anything else is declined
+and recorded with its reason; bf16 experts (no packed gathers) are left alone.
+"""
+from __future__ import annotations
+
+import logging
+import operator
+
+import torch
+from torch.fx import Graph, Node
+
+logger = logging.getLogger("dsv4_compile")
+
+PASS_NAME = "fp4_moe"
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+_VIEWS = {aten.reshape.default, aten.view.default, aten.squeeze.dim, aten.squeeze.default,
+          aten.unsqueeze.default, aten.expand.default, aten.clone.default, prims.convert_element_type.default,
+          aten.permute.default, aten.transpose.int}
+# Ops allowed between the packed gathers and the dequantised weights.
+_DEQUANT_OPS = _VIEWS | {
+    aten.index.Tensor, aten.bitwise_and.Scalar, aten.__rshift__.Scalar, aten.bitwise_right_shift.Tensor_Scalar,
+    aten.cat.default, aten.stack.default, aten.lift_fresh_copy.default, aten.sub.Tensor, aten.exp2.default,
+    aten.mul.Tensor, aten.pow.Scalar, aten.arange.default, aten.arange.start, prims.iota.default,
+    aten.unbind.int, operator.getitem, aten.select.int, aten.slice.Tensor, aten.where.self,
+}
+# Ops allowed in the activation between the gate/up split and the second GEMM.
+_ACT_OPS = _VIEWS | {aten.clamp_max.default, aten.clamp_min.default, aten.clamp.default, aten.neg.default,
+                     aten.exp.default, aten.add.Tensor, aten.div.Tensor, aten.mul.Tensor, aten.sigmoid.default,
+                     aten.silu.default, aten.reciprocal.default}
+
+
+def _val(node) -> torch.Tensor | None:
+    return node.meta.get("val") if isinstance(node, Node) else None
+
+
+def _strip(node: Node) -> Node:
+    while isinstance(node, Node) and node.target in _VIEWS:
+        node = node.args[0]
+    return node
+
+
+def _ancestors(node: Node, stop: set[Node]) -> set[Node]:
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in seen or n in stop:
+            continue
+        seen.add(n)
+        todo.extend(a for a in n.all_input_nodes)
+    return seen
+
+
+def _weight_region(start: Node, stop: set[Node]) -> set[Node]:
+    """Ancestors of `start` down to the gathers of graph inputs, whose ids are not followed
+    (the router above them is not part of the weight path)."""
+    seen, todo = set(), [start]
+    while todo:
+        n = todo.pop()
+        if n in seen or n in stop:
+            continue
+        seen.add(n)
+        if n.target == aten.index.Tensor and _is_input(n.args[0]):
+            todo.append(n.args[0])
+        else:
+            todo.extend(n.all_input_nodes)
+    return seen
+
+
+def _is_input(node: Node) -> bool:
+    return node.op in ("placeholder", "get_attr")
+
+
+class _Decline(Exception):
+    pass
+
+
+def _gathers(region: set[Node]) -> list[Node]:
+    """index.Tensor(input, [ids]) nodes of the region that gather graph inputs."""
+    return [n for n in region if n.target == aten.index.Tensor and _is_input(n.args[0])
+            and len(n.args[1]) == 1 and isinstance(n.args[1][0], Node)]
+
+
+def _expert_weights(region: set[Node], hidden: int, first: bool):
+    """Find (packed, scale, global) gathered in `region` and the ids node; check the region is dequant-only."""
+    bad = sorted({str(n.target) for n in region if n.op == "call_function" and n.target not in _DEQUANT_OPS})
+    if bad:
+        raise _Decline(f"weight path has non-dequantise ops {bad[:3]}")
+    gathers = _gathers(region)
+    packed = [g for g in gathers if _val(g.args[0]).dtype == torch.uint8 and _val(g.args[0]).ndim == 3
+              and (2 * _val(g.args[0]).shape[2] == hidden if first else _val(g.args[0]).shape[1] == hidden)]
+    if not packed:
+        raise _Decline("no packed uint8 expert gather")
+    # uint8 ue8m0 scales pass the filter too: the packed codes are the widest (cols/2 vs cols/32).
+    packed = sorted(packed, key=lambda g: _val(g.args[0]).shape[2], reverse=True)
+    if len(packed) > 2 or (len(packed) == 2 and _val(packed[1].args[0]).shape[2] * 16 != _val(packed[0].args[0]).shape[2]):
+        raise _Decline("several packed uint8 expert gathers")
+    ids = packed[0].args[1][0]
+    rows, cols = _val(packed[0].args[0]).shape[1], 2 * _val(packed[0].args[0]).shape[2]
+    scales = [g for g in gathers if g is not packed[0] and g.args[1][0] is ids and _val(g.args[0]).ndim == 3
+              and _val(g.args[0]).shape[1] == rows]
+    globs = [g for g in gathers if g.args[1][0] is ids and _val(g.args[0]).ndim == 1
+             and _val(g.args[0]).dtype == torch.float32]
+    if len(scales) != 1:
+        raise _Decline("no block scale gathered with the packed weights")
+    scale = scales[0].args[0]
+    dtype, groups = _val(scale).dtype, _val(scale).shape[2]
+    if dtype == torch.uint8 and groups * 32 == cols and not globs:
+        return "mxfp4", packed[0].args[0], scale, None, ids
+    if dtype == torch.float8_e4m3fn and groups * 16 == cols and len(globs) == 1:
+        return "nvfp4", packed[0].args[0], scale, globs[0].args[0], ids
+    raise _Decline(f"scale {dtype} x{groups} for {cols} columns is neither mxfp4 nor nvfp4")
+
+
+def _limit_of(region: set[Node], op, index: int = 1):
+    values = {float(n.args[index]) for n in region if n.target == op and isinstance(n.args[index], (int, float))}
+    return values
+
+
+def _match(anchor: Node) -> dict:
+    out_val = _val(anchor)
+    if out_val is None or out_val.ndim != 2 or list(anchor.args[1]) != [1]:
+        raise _Decline("not a sum over the choice dim of [M, k, K]")
+    tokens, hidden = out_val.shape
+    weighted = _strip(anchor.args[0])
+    if weighted.target != aten.mul.Tensor:
+        raise _Decline("sum input is not a routing-weight product")
+    sides = [_strip(a) for a in weighted.args]
+    bmm2 = next((s for s in sides if s.target == aten.bmm.default), None)
+    routing = next((s for s in sides if s is not bmm2), None)
+    if bmm2 is None or routing is None or _val(routing) is None or _val(routing).dtype != torch.float32:
+        raise _Decline("no bmm times f32 routing weights under the sum")
+    w2_side, h_side = bmm2.args
+    act = _strip(h_side)
+    if act.target != aten.mul.Tensor:
+        raise _Decline("second GEMM input is not a gated activation product")
+    splits = _splits_feeding(act)
+    if len(splits) != 1:
+        raise _Decline("no single gate/up split")
+    split = splits[0]
+    bmm1 = _strip(split.args[0])
+    if bmm1.target != aten.bmm.default:
+        raise _Decline("gate/up do not come from a bmm")
+    act_region = _ancestors(act, {split})
+    bad = sorted({str(n.target) for n in act_region if n.op == "call_function" and n.target not in _ACT_OPS
+                  and n.target is not operator.getitem})
+    if bad:
+        raise _Decline(f"activation has unsupported ops {bad[:3]}")
+    if not any(n.target in (aten.exp.default, aten.sigmoid.default, aten.silu.default) for n in act_region):
+        raise _Decline("activation is not SiLU")
+    upper = _limit_of(act_region, aten.clamp_max.default)
+    lower = _limit_of(act_region, aten.clamp_min.default)
+    if not upper and not lower:
+        limit = None
+    elif len(upper) == 1 and lower == {-next(iter(upper))}:
+        limit = next(iter(upper))
+        if len([n for n in act_region if n.target == aten.clamp_max.default]) != 2:
+            raise _Decline("swiglu clamp is not gate <= L and |up| <= L")
+    else:
+        raise _Decline(f"clamps {upper} / {lower} are not a symmetric swiglu limit")
+    w13_side, x_side = bmm1.args
+    x = x_side
+    while x.target in _VIEWS and tuple(_val(x).shape) != (tokens, hidden):
+        x = x.args[0]
+    if _val(x).ndim != 2 or tuple(_val(x).shape) != (tokens, hidden):
+        raise _Decline("first GEMM activation is not x [M, K]")
+    fmt, w13, s13, g13, ids = _expert_weights(_weight_region(w13_side, {x}), hidden, first=True)
+    fmt2, w2, s2, g2, ids2 = _expert_weights(_weight_region(w2_side, {act}), hidden, first=False)
+    if fmt2 != fmt or _strip(ids2) is not _strip(ids):
+        raise _Decline("gate/up and down experts differ in format or ids")
+    topk_ids = _strip(ids)
+    if _val(topk_ids).ndim != 2 or _val(topk_ids).shape[0] != tokens or _val(routing).shape != _val(topk_ids).shape:
+        raise _Decline("ids/routing weights are not [M, k]")
+    if x.meta["val"].dtype != out_val.dtype:
+        raise _Decline("output dtype differs from x dtype")
+    return dict(x=x, ids=topk_ids, weights=routing, w13=w13, s13=s13, w2=w2, s2=s2, fmt=fmt, g13=g13, g2=g2,
+                limit=limit)
+
+
+def _splits_feeding(act: Node) -> list[Node]:
+    """The split nodes reached from `act` through activation ops only (not the whole graph)."""
+    found, seen, todo = [], set(), [act]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.target in (aten.split.Tensor, aten.split_with_sizes.default):
+            found.append(n)
+        elif n.target in _ACT_OPS or n.target is operator.getitem:
+            todo.extend(n.all_input_nodes)
+    return found
+
+
+def _is_candidate(anchor: Node) -> bool:
+    """A sum of (bmm * something): the shape of an MoE combine, worth a line in the report."""
+    weighted = _strip(anchor.args[0])
+    return weighted.target == aten.mul.Tensor and any(
+        _strip(a).target == aten.bmm.default for a in weighted.args if isinstance(a, Node))
+
+
+def apply(graph: Graph, report) -> int:
+    """Rewrite every FP4 MoE site of `graph` to dsv4::fp4_moe. Returns the number of rewrites."""
+    import dsv4_compile.kernels.fp4_moe  # noqa: F401  (registers the op)
+
+    rewrites = 0
+    for anchor in list(graph.nodes):
+        if anchor.target != aten.sum.dim_IntList:
+            continue
+        try:
+            m = _match(anchor)
+        except _Decline as why:
+            if _is_candidate(anchor):
+                report.record(PASS_NAME, anchor.name, False, str(why))
+            continue
+        with graph.inserting_before(anchor):
+            ids = m["ids"]
+            if _val(ids).dtype != torch.int32:
+                ids = graph.call_function(prims.convert_element_type.default, (ids, torch.int32))
+                ids.meta["val"] = _val(m["ids"]).to(torch.int32)
+            new = graph.call_function(
+                torch.ops.dsv4.fp4_moe.default,
+                (m["x"], ids, m["weights"], m["w13"], m["s13"], m["w2"], m["s2"], m["fmt"], m["g13"], m["g2"],
+                 m["limit"]),
+            )
+            new.meta["val"] = anchor.meta["val"]
+        anchor.replace_all_uses_with(new)
+        report.record(PASS_NAME, anchor.name, True, f"{m['fmt']} limit={m['limit']}")
+        rewrites += 1
+    if rewrites:
+        graph.eliminate_dead_code()
+        logger.debug("fp4_moe: %d rewrites", rewrites)
+    return rewrites

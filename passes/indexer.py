@@ -1,0 +1,314 @@
+"""Rewrite the full-context lightning-indexer top-k to torch.ops.dsv4.indexer_topk.
+
+Hand-written FX matching on inductor's post-grad graph, anchored on `aten.topk` and keyed on
+the math (dsv4_compile.model.hotspots.indexer_topk_full_context):
+
+    keys   = k_pages[page_table]                      index -> reshape [B, S, D], S = NP * 64
+    logits = q [B,T,H,D] @ keys^T                     bmm over (B or B*T), reshaped [B, T, H, S]
+    scores = sum_h (relu(logits) * c) * weights[..., None]     (c: an optional constant)
+    scores = where(slot >= visible[..., None], -inf, scores)   slot = iota(S)
+    top    = topk(scores, k, dim=-1).indices
+    out    = where(top >= visible[..., None], -1, top)         (optionally cast)
+
+becomes indexer_topk(q, weights * c, k_pages, None, page_table.int(),
+clamp(visible, 0, S).int(), k) (cast like `out`). The op's order of the top-k is unspecified.
+Declines (recorded with the reason): another activation or reduction, a page size other than
+64, a head count or head dim the op does not take, topk > 2048, a topk over another dim, and a
+top-k whose values are used.
+"""
+from __future__ import annotations
+
+import logging
+import operator
+
+import sympy
+import torch
+from torch.fx import Graph, Node
+
+import dsv4_compile.kernels.indexer_topk as kernel
+
+logger = logging.getLogger("dsv4_compile")
+
+PASS_NAME = "indexer"
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+_RESHAPES = {aten.reshape.default, aten.view.default, aten._unsafe_view.default}
+_PASS_THROUGH = _RESHAPES | {aten.expand.default, aten.clone.default, aten.unsqueeze.default,
+                             prims.convert_element_type.default, aten.alias.default}
+
+
+class _Decline(Exception):
+    """Not the indexer form; the message is the reason recorded in the report."""
+
+
+def _val(node):
+    return node.meta.get("val") if isinstance(node, Node) else None
+
+
+def _shape(node) -> tuple:
+    val = _val(node)
+    if not isinstance(val, torch.Tensor):
+        raise _Decline(f"no shape recorded for {node}")
+    return tuple(val.shape)
+
+
+def _expr(size):
+    return size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(size)
+
+
+def _equal(a, b) -> bool:
+    """Sizes equal for every value of their symbols (static ints or SymInts)."""
+    return sympy.simplify(_expr(a) - _expr(b)) == 0
+
+
+def _is(node, *targets) -> bool:
+    return isinstance(node, Node) and node.op == "call_function" and node.target in targets
+
+
+def _strip(node: Node, allowed=_PASS_THROUGH) -> Node:
+    while _is(node, *allowed):
+        node = node.args[0]
+    return node
+
+
+def _require(cond: bool, reason: str) -> None:
+    if not cond:
+        raise _Decline(reason)
+
+
+def _last_dim(dim, rank) -> bool:
+    return dim in (-1, rank - 1)
+
+
+def _constant_scale(node: Node) -> tuple[Node, float]:
+    """node = x * c (c a python number, either side) -> (x, c); otherwise (node, 1.0)."""
+    if _is(node, aten.mul.Tensor, aten.mul.Scalar):
+        a, b = node.args
+        if isinstance(b, (int, float)):
+            return a, float(b)
+        if isinstance(a, (int, float)):
+            return b, float(a)
+    return node, 1.0
+
+
+def _visible_of(mask_ref: Node, slots: Node | None = None) -> Node:
+    """unsqueeze(visible, -1) -> visible (the per-token count of visible slots)."""
+    _require(_is(mask_ref, aten.unsqueeze.default) and mask_ref.args[1] in (-1, 2),
+             "mask is not against visible[..., None]")
+    return mask_ref.args[0]
+
+
+def _is_slot_iota(node: Node, slots) -> bool:
+    node = _strip(node, _RESHAPES)
+    if _is(node, prims.iota.default):
+        return _equal(node.args[0], slots) and node.kwargs.get("start", 0) == 0 \
+            and node.kwargs.get("step", 1) == 1
+    if _is(node, aten.arange.default, aten.arange.start):
+        return node.target == aten.arange.default and _equal(node.args[0], slots)
+    return False
+
+
+class _Match:
+    """The pieces of one matched site."""
+
+    def __init__(self, topk_node: Node):
+        self.topk = topk_node
+        scores, k = topk_node.args[:2]
+        dim = topk_node.args[2] if len(topk_node.args) > 2 else topk_node.kwargs.get("dim", -1)
+        largest = topk_node.args[3] if len(topk_node.args) > 3 else topk_node.kwargs.get(
+            "largest", True)
+        rank = len(_shape(scores))
+        _require(rank == 3, f"top-k input is rank {rank}, not [B, T, S]")
+        _require(_last_dim(dim, rank), f"topk over dim {dim}, not the slot dim")
+        _require(largest, "topk of the smallest scores")
+        _require(isinstance(k, int), "symbolic topk")
+        self.k = k
+        self._match_tail()
+        self._match_mask(scores)
+        self._match_scores()
+        self._match_keys()
+        self._match_query()
+        self._check_sizes()
+
+    def _match_tail(self):
+        users = list(self.topk.users)
+        _require(all(_is(u, operator.getitem) for u in users), "top-k result used whole")
+        _require(all(u.args[1] == 1 for u in users), "top-k values are used")
+        _require(len(users) == 1, "top-k indices read more than once")
+        top_idx = users[0]
+        where = [u for u in top_idx.users if _is(u, aten.where.self)]
+        _require(len(top_idx.users) == 2 and len(where) == 1,
+                 "top-k indices are not masked with -1 past the visible count")
+        where = where[0]
+        cond, fill, other = where.args
+        _require(other is top_idx and _is(cond, aten.ge.Tensor) and cond.args[0] is top_idx,
+                 "top-k indices are not masked with where(idx >= visible, -1, idx)")
+        _require(_is(fill, aten.full.default) and fill.args[1] == -1,
+                 "masked top-k indices are not filled with -1")
+        self.tail_visible = _visible_of(cond.args[1])
+        self.out = where
+        if len(where.users) == 1:
+            (user,) = where.users
+            if _is(user, prims.convert_element_type.default):
+                self.out = user
+
+    def _match_mask(self, scores: Node):
+        _require(_is(scores, aten.where.self), "top-k input is not masked by the visible count")
+        cond, fill, raw = scores.args
+        _require(_is(fill, aten.full.default) and fill.args[1] == float("-inf"),
+                 "masked scores are not filled with -inf")
+        _require(_is(cond, aten.ge.Tensor), "mask is not slot >= visible")
+        slots = _shape(scores)[2]
+        _require(_is_slot_iota(cond.args[0], slots), "mask does not compare the slot number")
+        visible = _visible_of(cond.args[1])
+        _require(visible is self.tail_visible or _strip(visible) is _strip(self.tail_visible),
+                 "score mask and index mask use different visible counts")
+        self.visible = visible
+        self.scores = raw
+
+    def _match_scores(self):
+        s = self.scores
+        _require(_is(s, aten.sum.dim_IntList), "scores are not a sum over heads")
+        _require(list(s.args[1]) in ([2], [-2]) and not (len(s.args) > 2 and s.args[2]),
+                 f"sum over dims {list(s.args[1])}, not the head dim")
+        prod = s.args[0]
+        _require(_is(prod, aten.mul.Tensor), "summed term is not a weighted activation")
+        a, b = prod.args
+        weight_side = [x for x in (a, b) if _is(x, aten.unsqueeze.default)
+                       and x.args[1] in (-1, 3) and len(_shape(x.args[0])) == 3]
+        _require(len(weight_side) == 1, "head weights are not weights[..., None]")
+        self.weights = weight_side[0].args[0]
+        act = b if weight_side[0] is a else a
+        act, scale = _constant_scale(act)
+        _require(_is(act, aten.relu.default),
+                 f"activation {getattr(act, 'target', act)} is not relu")
+        logits, inner = _constant_scale(act.args[0])
+        _require(inner > 0, "a non-positive scale inside relu")
+        self.scale = scale * inner
+        _require(_is(logits, *_RESHAPES), "logits are not a reshaped bmm")
+        self.bmm = logits.args[0]
+        _require(_is(self.bmm, aten.bmm.default), "logits do not come from a bmm")
+        self.logits_shape = _shape(logits)
+
+    def _match_keys(self):
+        node = self.bmm.args[1]
+        last_two = _shape(node)[-2:]
+        while _is(node, *_PASS_THROUGH):
+            _require(tuple(_shape(node)[-2:]) == tuple(last_two),
+                     "keys are reshaped across the (D, S) dims")
+            if _is(node, prims.convert_element_type.default):
+                _require(node.args[1] == torch.float32, "keys cast to a type other than f32")
+            node = node.args[0]
+        _require(_is(node, aten.permute.default, aten.transpose.int), "keys are not transposed")
+        if node.target == aten.permute.default:
+            _require(list(node.args[1]) == [0, 2, 1], "keys permuted other than [0, 2, 1]")
+        else:
+            _require(sorted(d % 3 for d in node.args[1:3]) == [1, 2], "keys transposed wrongly")
+        flat = _strip(node.args[0], {prims.convert_element_type.default})
+        _require(_is(flat, *_RESHAPES), "transposed keys are not a reshape of the gather")
+        gathered = _strip(flat.args[0], {prims.convert_element_type.default})
+        _require(_is(gathered, aten.index.Tensor) and len(gathered.args[1]) == 1,
+                 "keys are not k_pages[page_table]")
+        self.k_pages = gathered.args[0]
+        self.page_table = _strip(gathered.args[1][0], {prims.convert_element_type.default})
+        self.gathered_shape = _shape(gathered)  # [B, NP, page, D]
+        self.flat_shape = _shape(flat)  # [B, S, D]
+
+    def _match_query(self):
+        node = self.bmm.args[0]
+        while _is(node, *_PASS_THROUGH) and len(_shape(node)) != 4:
+            node = node.args[0]
+        shape = _shape(node)
+        node = _strip(node, {aten.expand.default, aten.clone.default,
+                             prims.convert_element_type.default})
+        _require(len(_shape(node)) == 4, "query is not [B, T, H, D]")
+        _require(all(_equal(a, b) for a, b in zip(_shape(node), shape)),
+                 "query is broadcast, not [B, T, H, D]")
+        self.q = node
+
+    def _check_sizes(self):
+        batch, tokens, heads, dim = _shape(self.q)
+        pages_shape = _shape(self.k_pages)
+        _require(len(pages_shape) == 3, "k_pages is not [P, page, D]")
+        page = pages_shape[1]
+        _require(_equal(page, kernel.PAGE_SIZE), f"page size {page} != {kernel.PAGE_SIZE}")
+        g_batch, n_pages, _, g_dim = self.gathered_shape
+        slots = self.flat_shape[1]
+        _require(_equal(slots, n_pages * kernel.PAGE_SIZE),
+                 "gathered width is not page-table columns x 64")
+        _require(_equal(g_batch, batch) and _equal(g_dim, dim) and _equal(pages_shape[2], dim),
+                 "keys and query disagree on B or D")
+        lb, lt, lh, ls = self.logits_shape
+        _require(all(_equal(x, y) for x, y in ((lb, batch), (lt, tokens), (lh, heads),
+                                               (ls, slots))),
+                 "logits are not [B, T, H, S]")
+        _require(_equal(_shape(self.bmm.args[0])[-1], dim), "bmm does not contract the head dim")
+        _require(tuple(_shape(self.weights)) == (batch, tokens, heads), "weights are not [B, T, H]")
+        _require(tuple(_shape(self.visible)) == (batch, tokens), "visible is not [B, T]")
+        _require(1 <= self.k <= kernel.MAX_TOPK, f"topk {self.k} > {kernel.MAX_TOPK}"
+                 if self.k > kernel.MAX_TOPK else f"topk {self.k} < 1")
+        for name, size, lo, hi in (("heads", heads, kernel.MIN_HEADS, kernel.MAX_HEADS),
+                                   ("head dim", dim, 16, kernel.MAX_HEAD_DIM)):
+            _require(not isinstance(size, torch.SymInt), f"symbolic {name}")
+            _require(lo <= size <= hi, f"{name} {size} not in [{lo}, {hi}]")
+        _require(dim % 16 == 0, f"head dim {dim} is not a multiple of 16")
+        _require(not isinstance(slots, torch.SymInt), "symbolic page-table width")
+        self.slots = slots
+        for name, node, dtypes in (("q", self.q, kernel._Q_DTYPES),
+                                   ("k_pages", self.k_pages, kernel._K_DTYPES)):
+            dtype = _val(node).dtype
+            _require(dtype in dtypes, f"{name} dtype {dtype} not supported")
+
+
+def _call(graph: Graph, target, args: tuple) -> Node:
+    """A new call_function node with its meta["val"] computed on the fake values of args."""
+    node = graph.call_function(target, args)
+    vals = [_val(a) if isinstance(a, Node) else a for a in args]
+    fake_mode = torch._guards.detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    with fake_mode:
+        node.meta["val"] = target(*vals)
+    return node
+
+
+def _rewrite(graph: Graph, m: _Match) -> None:
+    convert = prims.convert_element_type.default
+    with graph.inserting_before(m.out):
+        weights = m.weights
+        if _val(weights).dtype != torch.float32:
+            weights = _call(graph, convert, (weights, torch.float32))
+        if m.scale != 1.0:
+            weights = _call(graph, aten.mul.Tensor, (weights, m.scale))
+        lens = _call(graph, aten.clamp_min.default, (m.visible, 0))
+        lens = _call(graph, aten.clamp_max.default, (lens, m.slots))
+        lens = _call(graph, convert, (lens, torch.int32))
+        page_table = m.page_table
+        if _val(page_table).dtype != torch.int32:
+            page_table = _call(graph, convert, (page_table, torch.int32))
+        idx = _call(graph, torch.ops.dsv4.indexer_topk.default,
+                    (m.q, weights, m.k_pages, None, page_table, lens, m.k))
+        if _val(m.out).dtype != torch.int32:
+            idx = _call(graph, convert, (idx, _val(m.out).dtype))
+    m.out.replace_all_uses_with(idx)
+    graph.erase_node(m.out)
+
+
+def apply(graph: Graph, report) -> int:
+    """Rewrite every full-context indexer top-k in `graph`; returns the number rewritten."""
+    rewrites = 0
+    for node in list(graph.nodes):
+        if not _is(node, aten.topk.default):
+            continue
+        try:
+            match = _Match(node)
+        except _Decline as why:
+            report.record(PASS_NAME, node.name, False, str(why))
+            logger.debug("indexer pass declined %s: %s", node.name, why)
+            continue
+        _rewrite(graph, match)
+        report.record(PASS_NAME, node.name, True)
+        rewrites += 1
+    if rewrites:
+        graph.eliminate_dead_code()
+    return rewrites

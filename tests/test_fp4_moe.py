@@ -1,0 +1,170 @@
+"""dsv4::fp4_moe: Triton kernel (interpreter on CPU) against the torch reference, and its errors."""
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dsv4_compile import fp4
+from dsv4_compile.kernels import fp4_moe as moe
+from dsv4_compile.model.hotspots import moe_experts_fp4
+
+
+def make_experts(fmt: str, experts: int, hidden: int, inter: int, seed: int) -> dict:
+    """Random FP4 experts in the op's layout (quantised from N(0, 0.1) so the math stays O(1))."""
+    gen = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.1
+    w2 = torch.randn(experts, hidden, inter, generator=gen) * 0.1
+    if fmt == "mxfp4":
+        (a, b), (c, d) = fp4.quantize_mxfp4(w13), fp4.quantize_mxfp4(w2)
+        g13 = g2 = None
+    else:
+        (a, b, g13), (c, d, g2) = fp4.quantize_nvfp4(w13), fp4.quantize_nvfp4(w2)
+    return dict(w13=a, w13_scale=b, w2=c, w2_scale=d, fmt=fmt, w13_global=g13, w2_global=g2)
+
+
+def make_routing(tokens, top_k, experts, routing, seed):
+    gen = torch.Generator().manual_seed(seed)
+    if routing == "one_expert":  # every choice on one expert: most experts empty, a long block run
+        ids = torch.full((tokens, top_k), experts - 1, dtype=torch.int32)
+    elif routing == "skewed":  # only experts 0 and 1, some choices on other ranks (-1)
+        ids = torch.randint(-1, 2, (tokens, top_k), generator=gen).to(torch.int32)
+    else:
+        ids = torch.randint(-1, experts, (tokens, top_k), generator=gen).to(torch.int32)
+    weights = torch.rand(tokens, top_k, generator=gen) + 0.1
+    return ids, weights
+
+
+def _args(x, ids, weights, w, limit):
+    return (x, ids, weights, w["w13"], w["w13_scale"], w["w2"], w["w2_scale"], w["fmt"],
+            w["w13_global"], w["w2_global"], limit)
+
+
+# Tolerances: f32 x runs the kernel's dots in f32 (the interpreter): only summation order
+# differs from the reference, so 1e-4 relative to the output scale. bf16 x: the output is
+# rounded to bf16 (2**-8 relative) and on GPU the hidden activations are bf16 as well.
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+def assert_close_scaled(got, want, dtype):
+    scale = want.float().abs().max().clamp(min=1e-3)
+    err = (got.float() - want.float()).abs().max()
+    assert err <= TOL[dtype] * scale, f"max error {err} vs scale {scale}"
+
+
+@given(
+    tokens=st.integers(1, 9),
+    experts=st.integers(1, 5),
+    top_k=st.integers(1, 3),
+    inter=st.sampled_from([32, 64]),
+    hidden=st.sampled_from([32, 64, 128]),
+    fmt=st.sampled_from(["mxfp4", "nvfp4"]),
+    routing=st.sampled_from(["random", "one_expert", "skewed"]),
+    limit=st.sampled_from([None, 0.05]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_kernel_matches_reference(tokens, experts, top_k, inter, hidden, fmt, routing, limit, dtype, seed):
+    w = make_experts(fmt, experts, hidden, inter, seed)
+    ids, weights = make_routing(tokens, top_k, experts, routing, seed)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    # Poison every pair row; the valid ones must all be overwritten, skipped ones are masked.
+    pair_out = torch.full((tokens * top_k, hidden), float("nan"))
+    pairs = moe.fp4_moe_pairs_triton(*_args(x, ids, weights, w, limit), pair_out=pair_out)
+    valid = ((ids >= 0) & (ids < experts)).reshape(-1)
+    assert not pairs[valid].isnan().any()
+    got = torch.ops.dsv4.fp4_moe(*_args(x, ids, weights, w, limit))
+    want = moe.fp4_moe_reference(*_args(x, ids, weights, w, limit))
+    assert got.dtype == dtype and got.shape == x.shape
+    assert_close_scaled(got, want, dtype)
+    assert_close_scaled(moe.combine_pairs(pairs, ids, experts, dtype), want, dtype)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_reference_matches_gather_dequantise_form(fmt):
+    """The reference (loop over hit experts) against the model's plain-torch form (dequantise the
+    gathered weights, dense math): two independent computations of the same spec."""
+    w = make_experts(fmt, 6, 64, 32, seed=3)
+    ids, weights = make_routing(7, 3, 6, "random", seed=3)
+    ids = ids.clamp(min=0)  # the plain-torch form has no "other rank" choices
+    x = torch.randn(7, 64, generator=torch.Generator().manual_seed(4))
+    want = moe.fp4_moe_reference(*_args(x, ids, weights, w, 0.3))
+    got = moe_experts_fp4(*_args(x, ids, weights, w, 0.3))
+    assert_close_scaled(got, want, torch.float32)
+
+
+def test_all_skipped_gives_zero():
+    w = make_experts("mxfp4", 3, 32, 32, seed=1)
+    ids = torch.full((4, 2), -1, dtype=torch.int32)
+    x = torch.randn(4, 32)
+    out = torch.ops.dsv4.fp4_moe(*_args(x, ids, torch.rand(4, 2), w, None))
+    assert torch.equal(out, torch.zeros_like(x))
+
+
+def test_blocks_cover_pairs():
+    ids = torch.tensor([[2, 0], [2, -1], [2, 2], [7, 0]], dtype=torch.int32)
+    order, expert, start, end = moe.expert_blocks(ids, experts=3, block_m=2)
+    assert expert.numel() == 4 + 3  # cdiv(8, 2) + min(3, 8)
+    real = expert < 3
+    rows = [(int(e), list(range(s, min(s + 2, t)))) for e, s, t in zip(expert[real], start[real], end[real])]
+    seen = sorted(int(order[r]) for _, rs in rows for r in rs)
+    assert seen == [0, 1, 2, 4, 5, 7]  # every valid pair exactly once; never -1 or id 7 (pairs 3, 6)
+    for e, rs in rows:
+        assert all(int(ids.reshape(-1)[order[r]]) == e for r in rs)
+
+
+def _good():
+    w = make_experts("nvfp4", 2, 64, 32, seed=0)
+    ids, weights = make_routing(3, 2, 2, "random", seed=0)
+    return torch.randn(3, 64), ids.clamp(min=0), weights, w
+
+
+@pytest.mark.parametrize(
+    "mutate, error, match",
+    [
+        (lambda a: a.update(fmt="fp8"), ValueError, "fmt"),
+        (lambda a: a.update(w13=a["w13"][:, :, :16]), ValueError, "w13"),
+        (lambda a: a.update(w2=a["w2"][:, :32]), ValueError, "w2"),
+        (lambda a: a.update(w13_scale=a["w13_scale"].view(torch.uint8)), TypeError, "w13_scale"),
+        (lambda a: a.update(w2_scale=a["w2_scale"][..., :1]), ValueError, "w2_scale"),
+        (lambda a: a.update(w2_global=None), TypeError, "w2_global"),
+        (lambda a: a.update(ids=a["ids"] + 2), ValueError, "topk_ids"),
+        (lambda a: a.update(ids=a["ids"].long()), TypeError, "topk_ids"),
+        (lambda a: a.update(x=a["x"].half()), TypeError, "x"),
+    ],
+)
+def test_bad_input(mutate, error, match):
+    x, ids, weights, w = _good()
+    a = dict(w, x=x, ids=ids)
+    mutate(a)
+    with pytest.raises(error, match=match):
+        torch.ops.dsv4.fp4_moe(a["x"], a["ids"], weights, a["w13"], a["w13_scale"], a["w2"], a["w2_scale"],
+                               a["fmt"], a["w13_global"], a["w2_global"], None)
+
+
+def test_mxfp4_scale_dtype_checked():
+    w = make_experts("mxfp4", 2, 32, 32, seed=0)
+    w["w13_scale"] = w["w13_scale"].view(torch.float8_e4m3fn)
+    x, ids, weights = torch.randn(2, 32), torch.zeros(2, 1, dtype=torch.int32), torch.rand(2, 1)
+    with pytest.raises(TypeError, match="w13_scale"):
+        torch.ops.dsv4.fp4_moe(*_args(x, ids, weights, w, None))
+
+
+def test_out_of_range_ids_skipped_by_kernel():
+    """Without the eager check (the compiled path) an id >= E drops that choice."""
+    w = make_experts("mxfp4", 2, 32, 32, seed=2)
+    x = torch.randn(2, 32)
+    ids = torch.tensor([[1, 5]], dtype=torch.int32).expand(2, 2).contiguous()
+    weights = torch.rand(2, 2) + 0.1
+    pairs = moe.fp4_moe_pairs_triton(*_args(x, ids, weights, w, None))
+    got = moe.combine_pairs(pairs, ids, 2, x.dtype)
+    want = moe.fp4_moe_reference(*_args(x, torch.tensor([[1, -1]] * 2, dtype=torch.int32), weights, w, None))
+    assert_close_scaled(got, want, torch.float32)
+
+
+def test_fake_and_compile():
+    w = make_experts("mxfp4", 3, 32, 32, seed=5)
+    ids, weights = make_routing(4, 2, 3, "random", seed=5)
+    x = torch.randn(4, 32)
+    compiled = torch.compile(lambda *a: torch.ops.dsv4.fp4_moe(*a) * 2, backend="aot_eager", fullgraph=True)
+    got = compiled(*_args(x, ids, weights, w, 1.0))
+    assert_close_scaled(got, 2 * moe.fp4_moe_reference(*_args(x, ids, weights, w, 1.0)), torch.float32)

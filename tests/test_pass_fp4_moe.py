@@ -1,0 +1,132 @@
+"""passes/fp4_moe.py: the plain-torch FP4 MoE becomes dsv4::fp4_moe in decode and verify graphs,
+computes the same result, and variants that are not that math stay as they are."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from dsv4_compile import fp4
+from dsv4_compile.model.hotspots import moe_experts_fp4, moe_experts_gathered
+from dsv4_compile.passes import fp4_moe as fp4_pass
+from dsv4_compile.passes.report import PassReport
+
+EXPERTS, HIDDEN, INTER, TOP_K = 4, 64, 32, 2
+
+
+@pytest.fixture(autouse=True)
+def fresh_inductor_cache(tmp_path, monkeypatch):
+    """A cache hit would skip the pass: every test compiles from scratch."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+
+
+class _RunPass(CustomGraphPass):
+    def __init__(self, report):
+        self.report = report
+        self.rewrites = 0
+        self.targets: list = []
+
+    def __call__(self, graph):
+        self.rewrites += fp4_pass.apply(graph, self.report)
+        self.targets += [n.target for n in graph.nodes if n.op == "call_function"]
+
+    def uuid(self):
+        return "test_pass_fp4_moe"
+
+
+def compile_with_pass(fn):
+    report = PassReport()
+    hook = _RunPass(report)
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="inductor", fullgraph=True,
+                             options={"post_grad_custom_post_pass": hook})
+    return compiled, hook, report
+
+
+def experts(fmt, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=gen) * 0.1
+    w2 = torch.randn(EXPERTS, HIDDEN, INTER, generator=gen) * 0.1
+    if fmt == "mxfp4":
+        (a, b), (c, d) = fp4.quantize_mxfp4(w13), fp4.quantize_mxfp4(w2)
+        return a, b, c, d, fmt, None, None
+    (a, b, g13), (c, d, g2) = fp4.quantize_nvfp4(w13), fp4.quantize_nvfp4(w2)
+    return a, b, c, d, fmt, g13, g2
+
+
+def routing(tokens, seed):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, EXPERTS, (tokens, TOP_K), generator=gen, dtype=torch.int32)
+    return ids, torch.rand(tokens, TOP_K, generator=gen) + 0.1
+
+
+def moe_step(x, ids, weights, w13, s13, w2, s2, fmt, g13, g2, limit):
+    """A model-shaped call: [B, T, K] hidden flattened to M = B*T rows, plus a residual add."""
+    batch, tokens, hidden = x.shape
+    routed = moe_experts_fp4(x.reshape(-1, hidden), ids, weights, w13, s13, w2, s2, fmt, g13, g2, limit)
+    return routed.view(batch, tokens, hidden) + x
+
+
+# bf16: the pass swaps the bf16 plain-torch math (bf16 weights, bf16 GEMVs) for the op's f32
+# accumulation; both round the output to bf16, so 3e-2 of the output scale. f32: 1e-4.
+TOL = {torch.bfloat16: 3e-2, torch.float32: 1e-4}
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("batch, tokens", [(2, 1), (2, 3)], ids=["decode", "verify"])
+@pytest.mark.parametrize("limit, dtype", [(10.0, torch.bfloat16), (None, torch.float32)])
+def test_rewrites_and_matches_eager(fmt, batch, tokens, limit, dtype):
+    weights_args = experts(fmt)
+    ids, weights = routing(batch * tokens, seed=batch + tokens)
+    x = torch.randn(batch, tokens, HIDDEN, generator=torch.Generator().manual_seed(7)).to(dtype)
+    compiled, hook, report = compile_with_pass(moe_step)
+    got = compiled(x, ids, weights, *weights_args, limit)
+    want = moe_step(x, ids, weights, *weights_args, limit)
+    assert hook.rewrites == 1 and report.count(fp4_pass.PASS_NAME) == 1
+    assert torch.ops.dsv4.fp4_moe.default in hook.targets
+    assert torch.ops.aten.bmm.default not in hook.targets  # the dense expert GEMVs are gone
+    scale = want.float().abs().max()
+    assert (got.float() - want.float()).abs().max() <= TOL[dtype] * scale
+
+
+def test_bf16_experts_not_rewritten():
+    gen = torch.Generator().manual_seed(1)
+    w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=gen)
+    w2 = torch.randn(EXPERTS, HIDDEN, INTER, generator=gen)
+    ids, weights = routing(3, seed=1)
+    compiled, hook, report = compile_with_pass(moe_experts_gathered)
+    compiled(torch.randn(3, HIDDEN), ids, weights, w13, w2, 10.0)
+    assert hook.rewrites == 0
+    declines = [r for r in report.records if not r.matched]
+    assert declines and "no packed uint8 expert gather" in declines[0].reason
+
+
+def _gelu_variant(x, ids, weights, w13, s13, w2, s2, fmt, g13, g2, limit):
+    idx = ids.long()
+    gate_up = torch.matmul(fp4.dequantize_mxfp4(w13[idx], s13[idx], x.dtype), x[:, None, :, None]).squeeze(-1)
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = torch.matmul(fp4.dequantize_mxfp4(w2[idx], s2[idx], x.dtype), (F.gelu(gate) * up).unsqueeze(-1))
+    return (out.squeeze(-1) * weights.unsqueeze(-1)).sum(dim=1)
+
+
+def _one_sided_clamp_variant(x, ids, weights, w13, s13, w2, s2, fmt, g13, g2, limit):
+    idx = ids.long()
+    gate_up = torch.matmul(fp4.dequantize_mxfp4(w13[idx], s13[idx], x.dtype), x[:, None, :, None]).squeeze(-1)
+    gate, up = gate_up.chunk(2, dim=-1)
+    hidden = F.silu(gate.clamp(max=limit)) * up.clamp(min=-2 * limit, max=limit)
+    out = torch.matmul(fp4.dequantize_mxfp4(w2[idx], s2[idx], x.dtype), hidden.unsqueeze(-1))
+    return (out.squeeze(-1) * weights.unsqueeze(-1)).sum(dim=1)
+
+
+@pytest.mark.parametrize("variant, reason", [
+    (_gelu_variant, "activation"),
+    (_one_sided_clamp_variant, "swiglu limit"),
+])
+def test_other_math_declined(variant, reason):
+    ids, weights = routing(3, seed=2)
+    x = torch.randn(3, HIDDEN)
+    args = (x, ids, weights, *experts("mxfp4"), 5.0)
+    compiled, hook, report = compile_with_pass(variant)
+    got = compiled(*args)
+    assert hook.rewrites == 0
+    assert any(not r.matched and reason in r.reason for r in report.records), report.records
+    torch.testing.assert_close(got, variant(*args), rtol=1e-4, atol=1e-4)

@@ -1,0 +1,132 @@
+"""passes/indexer.py: the full-context indexer top-k -> torch.ops.dsv4.indexer_topk."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+import dsv4_compile.kernels.indexer_topk  # noqa: F401  (registers the op)
+from dsv4_compile.model.hotspots import indexer_topk_full_context
+from dsv4_compile.passes import indexer
+from dsv4_compile.passes.report import PassReport
+
+SCALE = 128 ** -0.5
+
+
+@pytest.fixture(autouse=True)
+def fresh_inductor_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(force_disable_caches=True):
+        yield
+
+
+class _RunPass(CustomGraphPass):
+    def __init__(self, report):
+        self.report = report
+        self.ops_after: list = []
+
+    def __call__(self, graph):
+        indexer.apply(graph, self.report)
+        self.ops_after += [n.target for n in graph.nodes if n.op == "call_function"]
+
+    def uuid(self):
+        return b"test_pass_indexer"
+
+
+def compile_with_pass(fn, **kwargs):
+    report = PassReport()
+    hook = _RunPass(report)
+    compiled = torch.compile(fn, backend="inductor", fullgraph=True,
+                             options={"post_grad_custom_post_pass": hook}, **kwargs)
+    return compiled, report, hook
+
+
+def model_step(q, weights, k_pages, page_table, positions, topk=16):
+    """The model's call: visible = (positions + 1) // 4 computed outside the hot spot."""
+    visible = (positions + 1) // 4
+    return indexer_topk_full_context(q, weights, k_pages, page_table, visible, SCALE, topk)
+
+
+def make_inputs(batch, tokens, dtype, seed, heads=8, dim=32, pages=7, max_pages=3, page=64):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, tokens, heads, dim, generator=gen).to(dtype)
+    weights = torch.randn(batch, tokens, heads, generator=gen) * heads ** -0.5
+    k_pages = torch.randn(pages, page, dim, generator=gen).to(dtype)
+    page_table = torch.randint(0, pages, (batch, max_pages), generator=gen, dtype=torch.int32)
+    # Positions from nothing visible to past the page-table width (the op's lens are clamped).
+    last = torch.randint(0, 4 * max_pages * page + 8, (batch, 1), generator=gen)
+    positions = (last + torch.arange(tokens)).clamp(max=4 * max_pages * page + 8)
+    positions[0] = torch.arange(tokens)  # request 0: at most one visible slot
+    return q, weights, k_pages, page_table, positions
+
+
+def same_selection(got, want):
+    """The op's order is unspecified: compare the per-row index sets (random f32 data has no
+    near-ties at this size, so the sets agree exactly) and the -1 count."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert torch.equal(got.sort(dim=-1).values, want.sort(dim=-1).values)
+
+
+@pytest.mark.parametrize("tokens", [1, 3])  # decode and verify
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_model_form_rewritten_and_matches_eager(tokens, dtype):
+    compiled, report, hook = compile_with_pass(model_step)
+    for seed in range(2):  # the second call reuses the compiled graph on fresh data
+        args = make_inputs(2, tokens, dtype, seed)
+        same_selection(compiled(*args), model_step(*args))
+    assert report.count(indexer.PASS_NAME) == 1
+    assert torch.ops.dsv4.indexer_topk.default in hook.ops_after
+    assert torch.ops.aten.topk.default not in hook.ops_after
+    assert torch.ops.aten.bmm.default not in hook.ops_after
+
+
+def test_dynamic_batch_matches_with_symbolic_sizes():
+    compiled, report, _ = compile_with_pass(model_step)
+    args = make_inputs(3, 2, torch.float32, 5)
+    for i in (0, 1, 3, 4):
+        torch._dynamo.mark_dynamic(args[i], 0)
+    same_selection(compiled(*args), model_step(*args))
+    assert report.count(indexer.PASS_NAME) == 1
+
+
+def _variant(activation=F.relu, sum_dim=2, topk_dim=-1):
+    def step(q, weights, k_pages, page_table, positions, topk=16):
+        visible = (positions + 1) // 4
+        batch, _, _, head_dim = q.shape
+        keys = k_pages[page_table.long()].reshape(batch, -1, head_dim)
+        logits = torch.matmul(q.float(), keys.float().transpose(-1, -2).unsqueeze(1))
+        scores = activation(logits) * SCALE
+        scores = (scores * weights.unsqueeze(-1)).sum(dim=sum_dim)
+        slots = torch.arange(scores.shape[-1], device=scores.device)
+        scores = scores.masked_fill(slots.view(1, 1, -1) >= visible.unsqueeze(-1), float("-inf"))
+        top = scores.topk(topk, dim=topk_dim).indices
+        return torch.where(top >= visible.unsqueeze(-1), -1, top).to(torch.int32)
+    return step
+
+
+@pytest.mark.parametrize("fn, kwargs, reason", [
+    (_variant(activation=F.gelu), {}, "is not relu"),
+    (_variant(sum_dim=1), dict(tokens=1), "sum over dims [1]"),
+    (_variant(topk_dim=1), dict(tokens=16), "topk over dim 1"),
+    (model_step, dict(page=32), "page size 32 != 64"),
+    (model_step, dict(heads=2), "heads 2 not in [4, 128]"),
+    (model_step, dict(dim=40), "head dim 40"),
+])
+def test_other_forms_declined(fn, kwargs, reason):
+    compiled, report, hook = compile_with_pass(fn)
+    opts = dict(batch=2, tokens=2, dtype=torch.float32, seed=3)
+    opts.update(kwargs)
+    args = make_inputs(**opts)
+    assert torch.equal(compiled(*args), fn(*args))  # untouched: inductor's own code, same order
+    assert report.count(indexer.PASS_NAME) == 0
+    assert torch.ops.dsv4.indexer_topk.default not in hook.ops_after
+    (record,) = [r for r in report.records if r.pass_name == indexer.PASS_NAME]
+    assert not record.matched and reason in record.reason, record.reason
+
+
+def test_topk_above_2048_declined_with_reason():
+    compiled, report, _ = compile_with_pass(lambda *a: model_step(*a, topk=4096))
+    args = make_inputs(1, 1, torch.float32, 4, heads=4, dim=16, pages=64, max_pages=64)
+    compiled(*args)
+    (record,) = report.records
+    assert not record.matched and record.reason == "topk 4096 > 2048"

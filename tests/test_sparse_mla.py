@@ -1,0 +1,238 @@
+"""dsv4::sparse_mla: Triton kernel (interpreter on CPU) against its torch reference.
+
+Tolerances. The reference computes in f32. With bf16 q/rows the kernel's output is a convex
+combination of bf16-exact rows rounded once to bf16 (relative error 2^-9 ~ 0.002), and on GPU P
+is also rounded to bf16 before the PV dot (relative 2^-9 per weight, so at most 2^-9 * max|v|
+absolute): |v| <= ~5 here, hence atol 2e-2, rtol 1e-2. With f32 everything is f32 (ieee dots);
+only the summation order and exp2-vs-exp differ: atol = rtol = 1e-4.
+"""
+import math
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from dsv4_compile.kernels.sparse_mla import (
+    sparse_mla_reference,
+    sparse_mla_triton,
+)
+
+TOL = {torch.bfloat16: dict(atol=2e-2, rtol=1e-2), torch.float32: dict(atol=1e-4, rtol=1e-4)}
+FP8_SPLITS = [(64, 16), (64, 32), (64, 64)]  # (nope, rope) -> head_dim 80, 96, 128
+
+
+def make_rows(num: int, head_dim: int, fmt: str, gen: torch.Generator, rope: int = 0):
+    """Random rows: bf16/f32 [num, head_dim], or FP8 rows + exponents for (nope, rope)."""
+    if fmt in ("bf16", "f32"):
+        dtype = torch.bfloat16 if fmt == "bf16" else torch.float32
+        return torch.randn(num, head_dim, generator=gen).to(dtype), None
+    nope = head_dim - rope
+    e4m3 = (torch.randn(num, nope, generator=gen) * 2).to(torch.float8_e4m3fn).view(torch.uint8)
+    rope_bytes = torch.randn(num, rope, generator=gen).to(torch.bfloat16).view(torch.uint8)
+    rows = torch.cat([e4m3, rope_bytes], dim=1)
+    scales = torch.randint(124, 130, (num, nope // 64 + 1), generator=gen, dtype=torch.uint8)
+    return rows, scales
+
+
+def shared_layout_idx(batch, tokens, width, num_rows, gen, *, fill_lo=0, holes=0.2):
+    """Window/HCA layout: idx[b, t, j] is u[b, j] or -1 (causal per token, plus random holes)."""
+    u = torch.randint(0, max(num_rows, 1), (batch, width), generator=gen)
+    limit = torch.randint(fill_lo, width + 1, (batch, 1), generator=gen) + torch.arange(tokens).view(1, tokens)
+    visible = torch.arange(width).view(1, 1, width) < limit.unsqueeze(-1)  # token t sees one more row
+    visible &= torch.rand(batch, 1, width, generator=gen) >= holes
+    return torch.where(visible, u.unsqueeze(1), -1).to(torch.int32)
+
+
+def topk_idx(batch, tokens, width, num_rows, gen, *, share=0.5):
+    """CSA layout: per-token rows (some tokens copy token 0's list: duplicates across tokens), -1 tails."""
+    idx = torch.randint(0, max(num_rows, 1), (batch, tokens, width), generator=gen)
+    copy = torch.rand(batch, tokens, 1, generator=gen) < share
+    idx = torch.where(copy, idx[:, :1], idx)
+    count = torch.randint(0, width + 1, (batch, tokens, 1), generator=gen)
+    return torch.where(torch.arange(width).view(1, 1, width) < count, idx, -1).to(torch.int32)
+
+
+def inputs(seed, batch, tokens, heads, fmt, layer, window, extra_len, *, rope=16, head_dim=64,
+           with_sink=True, all_skip=False):
+    gen = torch.Generator().manual_seed(seed)
+    if fmt == "fp8":
+        head_dim = sum(FP8_SPLITS[[r for _, r in FP8_SPLITS].index(rope)])
+    dtype = torch.float32 if fmt == "f32" else torch.bfloat16
+    q = torch.randn(batch, tokens, heads, head_dim, generator=gen).to(dtype)
+    num_rows = 40
+    kv, kv_scale = make_rows(num_rows, head_dim, fmt, gen, rope)
+    idx = shared_layout_idx(batch, tokens, window, num_rows, gen, fill_lo=0)
+    extra_kv = extra_scale = extra_idx = None
+    if layer != "window":
+        num_extra = 24
+        extra_kv, extra_scale = make_rows(num_extra, head_dim, fmt, gen, rope)
+        if layer == "csa":
+            extra_idx = topk_idx(batch, tokens, extra_len, num_extra, gen)
+        else:
+            extra_idx = shared_layout_idx(batch, tokens, extra_len, num_extra, gen, fill_lo=0, holes=0.1)
+    if all_skip:
+        idx = torch.full_like(idx, -1)
+        if extra_idx is not None:
+            extra_idx = torch.full_like(extra_idx, -1)
+    sink = torch.randn(heads, generator=gen) if with_sink else None
+    return q, kv, kv_scale, idx, extra_kv, extra_scale, extra_idx, sink, head_dim ** -0.5
+
+
+def check(args, num_splits=None):
+    q = args[0]
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype)  # poisoned: every element must be written
+    got = sparse_mla_triton(*args, out=out, num_splits=num_splits)
+    assert got.data_ptr() == out.data_ptr()
+    want = sparse_mla_reference(*args)
+    assert not torch.isnan(got).any()
+    torch.testing.assert_close(got, want, **TOL[q.dtype])
+    return got
+
+
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    bt=st.sampled_from([(1, 1), (2, 1), (1, 2), (1, 3), (2, 4), (1, 8), (3, 2), (8, 1)]),
+    heads=st.integers(1, 5),
+    fmt=st.sampled_from(["bf16", "fp8", "f32"]),
+    layer=st.sampled_from(["window", "csa", "hca"]),
+    window=st.integers(1, 40),
+    extra_len=st.integers(0, 40),
+    rope=st.sampled_from([16, 32, 64]),
+    with_sink=st.booleans(),
+    num_splits=st.sampled_from([None, 1, 2, 3]),
+)
+def test_kernel_matches_reference(seed, bt, heads, fmt, layer, window, extra_len, rope, with_sink, num_splits):
+    args = inputs(seed, *bt, heads, fmt, layer, window, extra_len, rope=rope, with_sink=with_sink,
+                  head_dim=128 if fmt == "f32" else 64)
+    check(args, num_splits)
+
+
+@pytest.mark.parametrize("layer", ["window", "csa", "hca"])
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_all_indices_skipped_gives_zeros(layer, num_splits):
+    args = inputs(1, 2, 2, 3, "bf16", layer, 20, 20, all_skip=True)
+    got = check(args, num_splits)
+    assert torch.equal(got, torch.zeros_like(got))
+
+
+@pytest.mark.parametrize("extra_len", [0, 16])
+def test_window_only_equals_window_plus_empty_extra(extra_len):
+    """extra None, an extra pool with zero entries, and one with only -1 all give the window answer."""
+    q, kv, kv_scale, idx, _, _, _, sink, scale = inputs(2, 2, 3, 4, "bf16", "window", 24, 0)
+    want = check((q, kv, kv_scale, idx, None, None, None, sink, scale))
+    extra_kv = torch.randn(10, q.shape[-1]).to(q.dtype)
+    extra_idx = torch.full((2, 3, extra_len), -1, dtype=torch.int32)
+    got = check((q, kv, kv_scale, idx, extra_kv, None, extra_idx, sink, scale), num_splits=2)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_fully_matching_and_fully_mismatching_tokens():
+    """Verify tokens that share every row, and tokens whose rows differ at every position."""
+    gen = torch.Generator().manual_seed(3)
+    q, kv, _, _, ekv, _, _, sink, scale = inputs(3, 1, 4, 2, "bf16", "csa", 16, 16)
+    same = torch.randint(0, 24, (1, 1, 32), generator=gen).expand(1, 4, 32).to(torch.int32).contiguous()
+    diff = (torch.arange(4).view(1, 4, 1) * 5 + torch.arange(32).view(1, 1, 32)) % 24
+    window = shared_layout_idx(1, 4, 16, 40, gen)
+    for extra_idx in (same, diff.to(torch.int32)):
+        check((q, kv, None, window, ekv, None, extra_idx, sink, scale), num_splits=2)
+
+
+def test_out_of_range_indices_are_skipped_and_never_read():
+    """Rows past N hold NaN in the backing buffer: reading any of them would poison the output."""
+    q, kv, _, idx, ekv, _, eidx, sink, scale = inputs(4, 2, 2, 3, "bf16", "hca", 20, 20)
+    backing = torch.cat([kv, torch.full((8, kv.shape[1]), float("nan"), dtype=kv.dtype)])
+    rows = backing[: kv.shape[0]]
+    bad = idx.clone()
+    bad[:, :, ::3] = kv.shape[0] + 2  # past the end: skip
+    bad[:, :, 1::5] = -7  # any negative: skip
+    got = check((q, rows, None, bad, ekv, None, eidx, sink, scale))
+    cleaned = torch.where((bad >= 0) & (bad < kv.shape[0]), bad, -1)
+    torch.testing.assert_close(got, sparse_mla_triton(q, kv, None, cleaned, ekv, None, eidx, sink, scale),
+                               atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_strided_row_views(fmt):
+    """kv as a view with a row stride wider than a row (a page layout); padding holds NaN / 0xFF."""
+    q, kv, kv_scale, idx, ekv, esc, eidx, sink, scale = inputs(5, 2, 3, 3, fmt, "csa", 24, 24, rope=32)
+    pad = 16 if fmt == "fp8" else 8
+    def widen(rows):
+        fill = 0xFF if rows.dtype == torch.uint8 else float("nan")  # 0xFF is an e4m3 NaN
+        wide = torch.full((rows.shape[0], rows.shape[1] + pad), fill, dtype=rows.dtype)
+        wide[:, : rows.shape[1]] = rows
+        return wide[:, : rows.shape[1]]
+    view, eview = widen(kv), widen(ekv)
+    assert not view.is_contiguous()
+    got = check((q, view, kv_scale, idx, eview, esc, eidx, sink, scale))
+    torch.testing.assert_close(got, sparse_mla_triton(q, kv, kv_scale, idx, ekv, esc, eidx, sink, scale),
+                               atol=0, rtol=0)
+
+
+def test_reference_matches_the_models_plain_torch_form():
+    """The spec agrees with hotspots.sparse_attention_with_sink (f32, where both are defined)."""
+    from dsv4_compile.model.hotspots import gather_rows, sparse_attention_with_sink
+
+    q, kv, _, idx, ekv, _, eidx, sink, scale = inputs(6, 2, 3, 4, "f32", "hca", 20, 30, head_dim=128)
+    gathered = torch.cat([gather_rows(kv, idx), gather_rows(ekv, eidx)], dim=2)
+    valid = torch.cat([idx >= 0, eidx >= 0], dim=2)
+    want = sparse_attention_with_sink(q, gathered, valid, sink, scale)
+    got = sparse_mla_reference(q, kv, None, idx, ekv, None, eidx, sink, scale)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_fp8_dequantisation_of_a_known_row():
+    """Exponent 130 scales e4m3 by 2^3; the rope bytes are read back as bf16."""
+    from dsv4_compile.kernels.sparse_mla import dequantize_fp8_rows
+
+    nope_vals = torch.tensor([[1.5, -0.25] * 32])
+    rope_vals = torch.tensor([[3.0, -7.5]], dtype=torch.bfloat16)
+    rows = torch.cat([nope_vals.to(torch.float8_e4m3fn).view(torch.uint8), rope_vals.view(torch.uint8)], dim=1)
+    got = dequantize_fp8_rows(rows, torch.tensor([[130, 0]], dtype=torch.uint8), head_dim=66)
+    assert torch.equal(got[0, :64], nope_vals[0] * 8)
+    assert torch.equal(got[0, 64:], rope_vals[0].float())
+
+
+def test_registered_op_runs_the_kernel_and_passes_opcheck():
+    args = inputs(7, 1, 2, 2, "fp8", "csa", 12, 12, rope=64)
+    got = torch.ops.dsv4.sparse_mla(*args)
+    torch.testing.assert_close(got, sparse_mla_reference(*args), **TOL[torch.bfloat16])
+    torch.library.opcheck(torch.ops.dsv4.sparse_mla.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def _bad_inputs():
+    q, kv, kv_scale, idx, ekv, esc, eidx, sink, scale = inputs(8, 1, 2, 2, "fp8", "csa", 8, 8, rope=32)
+    good = dict(q=q, kv=kv, kv_scale=kv_scale, idx=idx, extra_kv=ekv, extra_kv_scale=esc, extra_idx=eidx,
+                sink=sink, scale=scale)
+    bf = inputs(8, 1, 2, 2, "bf16", "csa", 8, 8)
+    cases = {
+        "q_rank": (dict(q=q[0]), "q"),
+        "q_dtype": (dict(q=q.half()), "q"),
+        "q_head_dim": (dict(q=q[..., :40]), "q"),
+        "kv_head_dim": (dict(q=bf[0], kv=bf[1][:, :48], kv_scale=None, extra_kv=bf[4], extra_kv_scale=None), "kv"),
+        "kv_dtype": (dict(q=bf[0], kv=bf[1].float(), kv_scale=None, extra_kv=bf[4], extra_kv_scale=None), "kv"),
+        "fp8_width": (dict(kv=kv[:, :100]), "kv"),
+        "fp8_no_scale": (dict(kv_scale=None), "kv_scale"),
+        "fp8_short_scale": (dict(kv_scale=kv_scale[:, :0]), "kv_scale"),
+        "idx_dtype": (dict(idx=idx.long()), "idx"),
+        "idx_batch": (dict(idx=idx.expand(2, -1, -1)), "idx"),
+        "idx_tokens": (dict(idx=idx[:, :1]), "idx"),
+        "extra_idx_tokens": (dict(extra_idx=eidx[:, :1]), "extra_idx"),
+        "extra_without_idx": (dict(extra_idx=None), "extra_kv and extra_idx"),
+        "extra_format": (dict(extra_kv=bf[4], extra_kv_scale=None), "extra_kv"),
+        "sink_shape": (dict(sink=sink[:1]), "sink"),
+        "sink_dtype": (dict(sink=sink.double()), "sink"),
+        "scale_nan": (dict(scale=math.nan), "scale"),
+    }
+    return good, cases
+
+
+@pytest.mark.parametrize("case", list(_bad_inputs()[1]))
+def test_bad_input_raises_value_error_naming_the_argument(case):
+    good, cases = _bad_inputs()
+    change, name = cases[case]
+    args = {**good, **change}
+    with pytest.raises(ValueError, match=name):
+        torch.ops.dsv4.sparse_mla(**args)
+    with pytest.raises(ValueError, match=name):
+        sparse_mla_triton(**args)
