@@ -138,8 +138,8 @@ def _match(anchor: Node) -> dict:
     sides = [_strip(a) for a in weighted.args]
     bmm2 = next((s for s in sides if s.target == aten.bmm.default), None)
     routing = next((s for s in sides if s is not bmm2), None)
-    if bmm2 is None or routing is None or _val(routing) is None or _val(routing).dtype != torch.float32:
-        raise _Decline("no bmm times f32 routing weights under the sum")
+    if bmm2 is None or routing is None or _val(routing) is None or not _val(routing).is_floating_point():
+        raise _Decline("no bmm times routing weights under the sum")
     w2_side, h_side = bmm2.args
     act = _strip(h_side)
     if act.target != aten.mul.Tensor:
@@ -228,9 +228,13 @@ def apply(graph: Graph, report) -> int:
             if _val(ids).dtype != torch.int32:
                 ids = graph.call_function(prims.convert_element_type.default, (ids, torch.int32))
                 ids.meta["val"] = _val(m["ids"]).to(torch.int32)
+            weights = m["weights"]
+            if _val(weights).dtype != torch.float32:  # bf16 models route in bf16; the op takes f32
+                weights = graph.call_function(prims.convert_element_type.default, (weights, torch.float32))
+                weights.meta["val"] = _val(m["weights"]).to(torch.float32)
             new = graph.call_function(
                 torch.ops.dsv4.fp4_moe.default,
-                (m["x"], ids, m["weights"], m["w13"], m["s13"], m["w2"], m["s2"], m["fmt"], m["g13"], m["g2"],
+                (m["x"], ids, weights, m["w13"], m["s13"], m["w2"], m["s2"], m["fmt"], m["g13"], m["g2"],
                  m["limit"]),
             )
             new.meta["val"] = anchor.meta["val"]

@@ -12,9 +12,13 @@ from .report import PassReport, register_report, report_for
 log = logging.getLogger("dsv4_compile")
 
 # Rewrites run in this order; each module exposes PASS_NAME and apply(graph, report) -> int.
-PASS_MODULES: tuple[str, ...] = ("dsv4_compile.passes.indexer", "dsv4_compile.passes.fp4_moe")
+PASS_MODULES: tuple[str, ...] = (
+    "dsv4_compile.passes.indexer",
+    "dsv4_compile.passes.sparse_mla",
+    "dsv4_compile.passes.fp4_moe",
+)
 # Each module exposes register() -> None, installing its inductor lowerings.
-LOWERING_MODULES: tuple[str, ...] = ()
+LOWERING_MODULES: tuple[str, ...] = ("dsv4_compile.lowerings.fp4_moe",)
 
 _PACKAGE_DIRS = ("passes", "lowerings", "kernels")
 

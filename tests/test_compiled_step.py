@@ -14,6 +14,8 @@ REL_TOL = 1e-4
 
 
 LAYERS = 4
+CSA_LAYERS = 2
+EXPECTED_SITES = {"indexer": CSA_LAYERS, "sparse_mla": LAYERS, "fp4_moe": LAYERS}
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +53,8 @@ def test_compiled_decode_equals_uncompiled(model, reference, compiled):
     finally:
         compiled.step = recorder.step
     assert all(ids.shape == (4, 1) for ids, *_ in recorder.calls)
-    assert compiled.report.count("fp4_moe", "T=1") == LAYERS
+    for name, sites in EXPECTED_SITES.items():
+        assert compiled.report.count(name, "T=1") == sites, (name, compiled.report.format())
     eager = dsv4_compile.optimize(model, max_batch=4, max_context=256, verify_tokens=3, compile=False)
     eager.generate(prompts, 1)
     _assert_steps_match(recorder, eager.module)
@@ -71,4 +74,5 @@ def test_compiled_verify_equals_greedy(reference, compiled):
 
     assert compiled.generate(prompts, NEW_TOKENS, draft=draft) == expected
     assert 0 < compiled.last_acceptance < 1
-    assert compiled.report.count("fp4_moe", "T=4") == LAYERS
+    for name, sites in EXPECTED_SITES.items():
+        assert compiled.report.count(name, "T=4") == sites, (name, compiled.report.format())

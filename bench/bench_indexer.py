@@ -1,0 +1,301 @@
+"""Benchmark of dsv4::indexer_topk (length-bounded) against the full-context indexer.
+
+Run on the H200: `python bench/bench_indexer.py --out DIR` (about 2-3 minutes).
+Check the script on CPU: `TRITON_INTERPRET=1 python bench/bench_indexer.py --smoke --out DIR`.
+
+For each batch B, real context (tokens) and query tokens T, at max context 1M (4097 pages of 64
+compressed slots), H=64 index heads, D=128, fp8 e4m3 keys with f32 scales:
+  1. correctness first: the Triton op's selected scores against the torch reference's top-k;
+  2. times (median of triton.testing.do_bench, L2 flushed between runs) of the eager
+     full-context form (gather every page, score, mask, topk), torch.compile of it, and the
+     Triton kernels (validation-free launcher: the op adds one host sync for its value checks);
+  3. the byte floor (keys of the real length read once per request + q + weights + idx,
+     / 4.8e12 B/s) and the FLOP floor (2*B*T*H*D*len / 7.9e14 FLOP/s) and the fraction reached;
+  4. the shared memory of every compiled Triton config, asserted <= 101,376 B (sm_120);
+  5. JSON + markdown into --out, the table printed last.
+The full-context baselines do not depend on the real length, so they run once per (B, T).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+PAGE = 64
+SMEM_LIMIT = 101_376
+BYTES_PER_S = 4.8e12
+FLOPS_PER_S = 7.9e14
+
+
+def full_context_indexer(q, weights, k_cache, k_scale, page_table, lens, topk):
+    """The O(max context) form: score every page-table column, mask by length, top-k."""
+    batch, _, _, head_dim = q.shape
+    pages = page_table.long()
+    keys = k_cache[pages].float().reshape(batch, -1, head_dim)  # [B, S_max, D]
+    logits = torch.matmul(q.float(), keys.transpose(-1, -2).unsqueeze(1))  # [B, T, H, S]
+    scores = (torch.relu(logits) * weights.unsqueeze(-1)).sum(dim=2)
+    scores = scores * k_scale[pages].reshape(batch, 1, -1)
+    slots = torch.arange(scores.shape[-1], device=q.device)
+    scores = scores.masked_fill(slots >= lens.unsqueeze(-1), float("-inf"))
+    top = scores.topk(topk, dim=-1).indices
+    return torch.where(top >= lens.unsqueeze(-1), -1, top).to(torch.int32)
+
+
+def make_inputs(batch, context, tokens, heads, dim, max_pages, q_dtype, device, gen):
+    """Random inputs: each request's valid pages are scattered physical pages; page-table
+    columns past them point at other real pages (the full-context form reads them)."""
+    slots = context // 4
+    valid_pages = max(1, math.ceil(slots / PAGE))
+    phys_pages = batch * valid_pages
+    q = torch.randn(batch, tokens, heads, dim, generator=gen, device=device).to(q_dtype)
+    weights = torch.randn(batch, tokens, heads, generator=gen, device=device) * heads ** -0.5
+    k_cache = torch.randn(phys_pages, PAGE, dim, generator=gen, device=device)
+    k_cache = k_cache.to(torch.float8_e4m3fn)
+    k_scale = torch.rand(phys_pages, PAGE, generator=gen, device=device) + 0.5
+    perm = torch.randperm(phys_pages, generator=gen, device=device).view(batch, valid_pages)
+    page_table = torch.randint(0, phys_pages, (batch, max_pages), generator=gen, device=device)
+    page_table[:, :valid_pages] = perm
+    positions = context - tokens + torch.arange(tokens, device=device)
+    lens = ((positions + 1) // 4).clamp(max=max_pages * PAGE).expand(batch, tokens)
+    return (q, weights, k_cache, k_scale, page_table.to(torch.int32).contiguous(),
+            lens.to(torch.int32).contiguous())
+
+
+def check_selection(idx, inputs, topk, ref_mod, q_dtype):
+    """Selected scores == the reference's top-k scores as sorted lists (within tolerance);
+    -1 exactly past min(len, topk); no slot >= len; no duplicates. Returns the max error."""
+    q, weights, k_cache, k_scale, page_table, lens = inputs
+    used = max(1, math.ceil(int(lens.max()) / PAGE))
+    scores = ref_mod.indexer_scores_reference(q, weights, k_cache, k_scale,
+                                              page_table[:, :used], lens)
+    count = lens.long().clamp(max=topk)
+    rank = torch.arange(topk, device=idx.device)
+    expect_valid = rank < count[..., None]
+    assert torch.equal(idx >= 0, expect_valid), "-1 placement"
+    assert bool((idx < lens[..., None]).all()), "slot >= len"
+    sorted_idx = idx.sort(dim=-1).values
+    dup = (sorted_idx[..., 1:] == sorted_idx[..., :-1]) & (sorted_idx[..., 1:] >= 0)
+    assert not bool(dup.any()), "duplicate slot"
+    picked = scores.gather(-1, idx.clamp(min=0).long()).masked_fill(~expect_valid, float("-inf"))
+    best = scores.topk(min(topk, scores.shape[-1]), dim=-1).values
+    picked = picked.sort(dim=-1, descending=True).values[..., : best.shape[-1]]
+    finite = torch.isfinite(best)
+    assert torch.equal(finite, torch.isfinite(picked)), "count of selected scores"
+    # bf16/fp8 operands are exact in f32 products; f32 accumulation order differs (~1e-6
+    # relative), and fp8 MMA accumulation on Hopper is coarser: 2e-3 of the row's largest score.
+    tol = (2e-3 if q_dtype == torch.float8_e4m3fn else 1e-4)
+    row_scale = best.masked_fill(~finite, 0).abs().amax(dim=-1, keepdim=True).clamp(min=1e-6)
+    err = ((picked - best).abs() / row_scale).masked_fill(~finite, 0).max().item()
+    assert err <= tol, f"selected scores differ from the reference top-k: {err:.3g} > {tol}"
+    return err
+
+
+def timer(device):
+    """bench(fn, heavy=False, graph=False) -> median microseconds. On CUDA: do_bench (L2
+    flushed before each run), or with graph=True the replay of a CUDA graph of fn (how a
+    serving step runs it; no per-launch Python cost, L2 not flushed)."""
+    if device.type == "cuda":
+        import triton.testing
+
+        def bench(fn, heavy=False, graph=False):
+            if graph:
+                return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e3
+            warmup, rep = (5, 30) if heavy else (25, 100)
+            return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median") * 1e3
+        return bench
+
+    def bench_cpu(fn, heavy=False, graph=False):
+        fn()
+        runs = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            runs.append(time.perf_counter() - t0)
+        return statistics.median(runs) * 1e6
+    return bench_cpu
+
+
+def floors(batch, tokens, heads, dim, lens, topk, q_bytes):
+    slots_read = batch * (math.ceil(int(lens.max()) / PAGE) * PAGE)
+    bytes_moved = (slots_read * (dim + 4) + batch * tokens * heads * (dim * q_bytes + 4)
+                   + batch * tokens * topk * 4)
+    flops = 2 * heads * dim * int(lens.long().sum())
+    return bytes_moved / BYTES_PER_S * 1e6, flops / FLOPS_PER_S * 1e6
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes (CPU interpreter)")
+    parser.add_argument("--topk", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=64)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--sweep", action="store_true",
+                        help="only time launch-config variants of the two kernels at B=64, 128K")
+    args = parser.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel module imports
+    from dsv4_compile.kernels import indexer_topk as mod
+
+    if args.smoke:
+        max_pages, batches, contexts, token_counts = 4, (1, 2), (128, 1000), (1, 2)
+        heads, dim, topk = 4, 16, 16
+    else:
+        max_pages = math.ceil(262_208 / PAGE)  # 1M tokens of context
+        batches, contexts, token_counts = (1, 16, 64), (512, 8192, 131072), (1, 4)
+        heads, dim, topk = args.heads, args.dim, args.topk
+    q_dtypes = (torch.bfloat16, torch.float8_e4m3fn)
+    bench = timer(device)
+    if args.sweep:
+        table = sweep(mod, bench, device, heads, dim, max_pages, topk, args.smoke)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bench_indexer_sweep.md").write_text(table)
+        print(table)
+        return 0
+    compiled = torch.compile(full_context_indexer, dynamic=True)
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows, configs = [], {}
+    baseline_cache: dict = {}
+
+    for batch in batches:
+        for context in contexts:
+            for tokens in token_counts:
+                for q_dtype in q_dtypes:
+                    inputs = make_inputs(batch, context, tokens, heads, dim, max_pages,
+                                         q_dtype, device, gen)
+                    idx, kernels = mod.indexer_topk_triton(*inputs, topk)
+                    err = check_selection(idx, inputs, topk, mod, q_dtype)
+                    op_idx = torch.ops.dsv4.indexer_topk(*inputs, topk)
+                    check_selection(op_idx, inputs, topk, mod, q_dtype)
+                    for kernel in kernels:
+                        if kernel is None or not hasattr(kernel, "metadata"):
+                            continue  # the interpreter compiles nothing
+                        shared = kernel.metadata.shared
+                        configs[kernel.hash] = dict(kernel=kernel.name, shared=shared,
+                                                    num_warps=kernel.metadata.num_warps,
+                                                    num_stages=kernel.metadata.num_stages)
+                        assert shared <= SMEM_LIMIT, f"{kernel.name} uses {shared} B of smem"
+                    triton_us = bench(lambda: mod.indexer_topk_triton(*inputs, topk), graph=True)
+                    score_us = bench(lambda: mod.indexer_scores_triton(*inputs, topk), graph=True)
+                    key = (batch, tokens)
+                    if q_dtype == torch.bfloat16 and key not in baseline_cache:
+                        baseline_cache[key] = time_baselines(bench, inputs, topk, compiled)
+                    eager_us, compiled_us = baseline_cache.get(key, (math.nan, math.nan))
+                    byte_us, flop_us = floors(batch, tokens, heads, dim, inputs[5], topk,
+                                              inputs[0].element_size())
+                    floor_us = max(byte_us, flop_us)
+                    rows.append(dict(
+                        B=batch, context=context, T=tokens, q=str(q_dtype).split(".")[-1],
+                        slots=int(inputs[5].max()), eager_us=eager_us, compiled_us=compiled_us,
+                        triton_us=triton_us, score_us=score_us,
+                        speedup_vs_compiled=compiled_us / triton_us,
+                        byte_floor_us=byte_us, flop_floor_us=flop_us,
+                        floor_fraction=floor_us / triton_us, max_rel_err=err))
+                    del inputs, idx, op_idx
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    for row in rows:  # T=4 against T=1 at the same (B, context, q dtype)
+        base = next(r for r in rows if r["B"] == row["B"] and r["context"] == row["context"]
+                    and r["q"] == row["q"] and r["T"] == min(token_counts))
+        row["vs_T1"] = row["triton_us"] / base["triton_us"]
+
+    meta = dict(torch=torch.__version__, triton=__import__("triton").__version__,
+                device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                smoke=args.smoke, max_pages=max_pages, heads=heads, dim=dim, topk=topk,
+                date=time.strftime("%Y-%m-%d %H:%M:%S"), command=" ".join(sys.argv))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_indexer.json").write_text(
+        json.dumps(dict(meta=meta, rows=rows, kernel_configs=list(configs.values())), indent=1))
+    table = markdown(rows, configs, meta)
+    (args.out / "bench_indexer.md").write_text(table)
+    print(table)
+    return 0
+
+
+def sweep(mod, bench, device, heads, dim, max_pages, topk, smoke) -> str:
+    """Times of the scoring kernel (splits x warps x stages) and the selection kernel (block)
+    at the largest size, each variant checked against the default launch first."""
+    batch, context = (2, 1000) if smoke else (64, 131072)
+    gen = torch.Generator(device=device).manual_seed(1)
+    lines = ["| T | q | kernel | variant | us |", "|---|---|---|---|---|"]
+    for tokens in (1, 4):
+        for q_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+            inputs = make_inputs(batch, context, tokens, heads, dim, max_pages, q_dtype, device, gen)
+            lens = inputs[5]
+            base = mod.default_splits(batch, max_pages, device)
+            ref_ws, _ = mod.indexer_scores_triton(*inputs, topk)
+            valid = torch.arange(ref_ws.shape[-1], device=device) < lens[..., None]
+            name = str(q_dtype).split(".")[-1]
+            for mult in (1, 2, 4):
+                for warps in (4, 8):
+                    for stages in (1, 2, 3):
+                        kw = dict(splits=base * mult, num_warps=warps, num_stages=stages)
+                        try:
+                            ws, _ = mod.indexer_scores_triton(*inputs, topk, **kw)
+                        except Exception as exc:  # a config that does not compile
+                            lines.append(f"| {tokens} | {name} | score | {kw} | {type(exc).__name__} |")
+                            continue
+                        assert torch.equal(ws[valid], ref_ws[valid]) or q_dtype != torch.bfloat16 \
+                            or torch.allclose(ws[valid], ref_ws[valid], rtol=1e-5, atol=1e-3)
+                        us = bench(lambda: mod.indexer_scores_triton(*inputs, topk, **kw), graph=True)
+                        lines.append(f"| {tokens} | {name} | score | {kw} | {us:.1f} |")
+            ref_out = torch.empty(lens.shape + (topk,), dtype=torch.int32, device=device)
+            mod.indexer_select_triton(ref_ws, lens, topk, ref_out)
+            for block in (1024, 2048, 4096):
+                out = torch.full_like(ref_out, -7)
+                mod.indexer_select_triton(ref_ws, lens, topk, out, block=block)
+                assert torch.equal(out.sort(-1).values, ref_out.sort(-1).values), block
+                us = bench(lambda: mod.indexer_select_triton(ref_ws, lens, topk, out, block=block),
+                           graph=True)
+                lines.append(f"| {tokens} | {name} | select | block={block} | {us:.1f} |")
+            del inputs, ref_ws
+    return "\n".join(lines) + "\n"
+
+
+def time_baselines(bench, inputs, topk, compiled):
+    """(eager us, torch.compile us) of the full-context form; NaN where it runs out of memory."""
+    times = []
+    for fn in (full_context_indexer, compiled):
+        try:
+            fn(*inputs, topk)  # compile / warm up outside the timing
+            times.append(bench(lambda: fn(*inputs, topk), heavy=True))
+        except torch.OutOfMemoryError:
+            times.append(math.nan)
+        if inputs[0].is_cuda:
+            torch.cuda.empty_cache()
+    return tuple(times)
+
+
+def markdown(rows, configs, meta) -> str:
+    head = (f"indexer_topk: {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, "
+            f"max_pages {meta['max_pages']}, H={meta['heads']}, D={meta['dim']}, "
+            f"topk={meta['topk']}, fp8 keys + f32 scales, {meta['date']}\n\n")
+    lines = ["| B | ctx | T | q | slots | eager us | compiled us | triton us | (score us) "
+             "| x compiled | byte floor us | flop floor us | floor frac | vs T=1 | rel err |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['B']} | {r['context']} | {r['T']} | {r['q']} | {r['slots']} | "
+            f"{r['eager_us']:.1f} | {r['compiled_us']:.1f} | {r['triton_us']:.1f} | "
+            f"{r['score_us']:.1f} | "
+            f"{r['speedup_vs_compiled']:.1f} | {r['byte_floor_us']:.2f} | "
+            f"{r['flop_floor_us']:.2f} | {r['floor_fraction']:.2f} | {r['vs_T1']:.2f} | "
+            f"{r['max_rel_err']:.1e} |")
+    smem = ["", "| kernel | num_warps | num_stages | shared B (limit 101376) |", "|---|---|---|---|"]
+    smem += [f"| {c['kernel']} | {c['num_warps']} | {c['num_stages']} | {c['shared']} |"
+             for c in configs.values()] or ["| (interpreter: nothing compiled) | | | |"]
+    return head + "\n".join(lines + smem) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

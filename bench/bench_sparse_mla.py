@@ -1,0 +1,383 @@
+"""Benchmark dsv4::sparse_mla (decode T=1 and verify T=2,4) against its torch reference.
+
+    pip install --no-deps --no-build-isolation -e .       # once, so dsv4_compile.kernels imports
+    python bench/bench_sparse_mla.py --out DIR            # H200: real sizes, about 3 minutes
+    python bench/bench_sparse_mla.py --out DIR --smoke    # CPU: tiny sizes, TRITON_INTERPRET=1
+
+For each case: correctness first (kernel vs reference at that size, random data), then the median
+time of the eager reference, torch.compile(reference) and the Triton kernel, each replayed from a
+CUDA graph (so host launch overhead is excluded alike), interleaved in one process. Floors:
+bytes / 4.8e12 (every distinct KV row of a request read once, q, idx read once, out written
+once) and FLOPs / 7.9e14 (4 * Dh per head per selected row). The grid is subsampled (see
+`cases`); torch.compile of the reference only runs on the B=64 cases and the FlashMLA config
+to keep compile time small. Shared memory of every compiled config is recorded, on this GPU and
+cross-compiled for sm_120, and asserted <= 101,376 B. Writes DIR/sparse_mla.json and
+DIR/sparse_mla.md and prints the table last.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+SMOKE = "--smoke" in sys.argv
+if SMOKE:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+try:
+    from dsv4_compile.kernels import sparse_mla as sm  # noqa: E402
+except ImportError:  # not installed: run from the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from kernels import sparse_mla as sm  # noqa: E402
+
+HBM_BYTES_PER_S = 4.8e12
+BF16_FLOPS_PER_S = 7.9e14
+SM120_SHARED_LIMIT = 101_376
+FP8_ROW_BYTES = 584  # 448 e4m3 + 128 rope bytes + 8 exponent bytes
+WINDOW = 128
+
+
+@dataclass
+class Case:
+    name: str
+    batch: int
+    tokens: int
+    heads: int
+    layer: str  # "csa" (window + top-k c4), "hca" (window + all c128), "topk" (one pool, FlashMLA config)
+    fmt: str  # "bf16" or "fp8"
+    extra_len: int
+    compile_baseline: bool = False
+    head_dim: int = 512
+    rope: int = 64
+    window: int = WINDOW
+
+
+@dataclass
+class Result:
+    case: dict
+    max_abs_err: float = float("nan")
+    correct: bool = False
+    eager_us: float = float("nan")
+    compiled_us: float = float("nan")
+    kernel_us: float = float("nan")
+    bytes: int = 0
+    flops: int = 0
+    floor_us: float = float("nan")
+    floor_fraction: float = float("nan")
+    tflops: float = float("nan")
+    config: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)
+
+
+def cases(smoke: bool) -> list[Case]:
+    if smoke:
+        return [
+            Case("smoke-csa", 2, t, 4, "csa", fmt, 32, compile_baseline=(t == 2 and fmt == "bf16"),
+                 head_dim=128, window=16)
+            for t in (1, 2) for fmt in ("bf16", "fp8")
+        ] + [Case("smoke-hca", 1, 2, 4, "hca", "fp8", 64, head_dim=128, window=16)]
+    out = []
+    for layer, extra_len in (("csa", 512), ("hca", 1024)):  # HCA at 128K context: 1024 c128 entries
+        for fmt in ("bf16", "fp8"):
+            for batch in (1, 16, 64):
+                for tokens in (1, 2, 4):
+                    if batch == 16 and tokens == 2:
+                        continue  # subsampled: T=2 at B=1 and B=64 only
+                    out.append(Case(f"{layer}-{fmt}", batch, tokens, 64, layer, fmt, extra_len,
+                                    compile_baseline=batch == 64 and tokens in (1, 4) and fmt == "bf16"))
+            for tokens in (1, 4):  # TP4 heads, subsampled to B=64
+                out.append(Case(f"{layer}-{fmt}-h16", 64, tokens, 16, layer, fmt, extra_len))
+    # FlashMLA's published sparse decode config: B=128, h=128, s_q=2, top-k 2048 (one pool).
+    out.append(Case("flashmla-cfg", 128, 2, 128, "topk", "bf16", 2048, compile_baseline=True, window=0))
+    out.append(Case("flashmla-cfg", 128, 2, 128, "topk", "fp8", 2048, window=0))
+    return out
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def make_pool(num_rows: int, case: Case, device, gen):
+    if case.fmt == "bf16":
+        return torch.randn(num_rows, case.head_dim, device=device, generator=gen).to(torch.bfloat16), None
+    nope = case.head_dim - case.rope
+    e4m3 = torch.randn(num_rows, nope, device=device, generator=gen).to(torch.float8_e4m3fn).view(torch.uint8)
+    rope = torch.randn(num_rows, case.rope, device=device, generator=gen).to(torch.bfloat16).view(torch.uint8)
+    scales = torch.randint(122, 130, (num_rows, nope // 64 + 1), device=device, generator=gen, dtype=torch.uint8)
+    return torch.cat([e4m3, rope], dim=1), scales
+
+
+def make_inputs(case: Case, device):
+    """Per-request disjoint rows (no cross-request cache reuse), the model's index layouts."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    b, t, h, d = case.batch, case.tokens, case.heads, case.head_dim
+    q = torch.randn(b, t, h, d, device=device, generator=gen).to(torch.bfloat16)
+    sink = torch.randn(h, device=device, generator=gen)
+    tok = torch.arange(t, device=device).view(1, t, 1)
+    if case.window:
+        # Window: each request's 128 ring rows; token t sees the rows up to its own position.
+        kv, kv_scale = make_pool(b * case.window, case, device, gen)
+        ring = torch.arange(b * case.window, device=device, dtype=torch.int32).view(b, 1, case.window)
+        pos = torch.arange(case.window, device=device).view(1, 1, -1)
+        idx = torch.where(pos < case.window - (t - 1) + tok, ring, -1).to(torch.int32)
+    extra_rows = 4 * case.extra_len if case.layer in ("csa", "topk") else case.extra_len
+    ekv, escale = make_pool(b * extra_rows, case, device, gen)
+    base = (torch.arange(b, device=device) * extra_rows).view(b, 1, 1)
+    if case.layer == "hca":
+        entries = torch.arange(case.extra_len, device=device).view(1, 1, -1)
+        last = case.extra_len - (t - 1) + tok  # causal: later tokens see one more c128 entry at most
+        eidx = torch.where(entries < last, base + entries, -1).to(torch.int32)
+    else:
+        # Top-k: each token picks extra_len distinct rows of its request's candidates, order by score.
+        scores = torch.rand(b, t, extra_rows, device=device, generator=gen)
+        eidx = (base + scores.topk(case.extra_len, dim=-1).indices).to(torch.int32)
+    if not case.window:
+        return q, ekv, escale, eidx, None, None, None, sink, d ** -0.5
+    return q, kv, kv_scale, idx, ekv, escale, eidx, sink, d ** -0.5
+
+
+def floors(case: Case, args) -> tuple[int, int]:
+    """(bytes, flops) that any implementation must move / do: each distinct row of a request once."""
+    q, _, _, idx, _, _, eidx, _, _ = args
+    row_bytes = FP8_ROW_BYTES if case.fmt == "fp8" else 2 * case.head_dim
+    pools = [p for p in (idx, eidx) if p is not None]
+    distinct_rows = sum(int(torch.unique(p[b][p[b] >= 0]).numel()) for p in pools for b in range(case.batch))
+    selected = sum(int((p >= 0).sum()) for p in pools)
+    nbytes = distinct_rows * row_bytes + 2 * q.numel() * q.element_size() + sum(p.numel() * 4 for p in pools)
+    return nbytes + case.heads * 4, 4 * case.head_dim * case.heads * selected
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def graph_timer(fn, smoke: bool):
+    """Median seconds of fn: CUDA-graph replays under do_bench on GPU, wall clock on CPU."""
+    if smoke:
+        fn()
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start, "wall clock (CPU interpreter)"
+    fn()
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+            with torch.cuda.graph(graph):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        return triton.testing.do_bench(graph.replay, warmup=5, rep=25, return_mode="median") * 1e-3, "graph"
+    except Exception as exc:  # noqa: BLE001 - fall back to launches, and say so
+        return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median") * 1e-3, f"launches ({exc!r:.60})"
+
+
+# ----------------------------------------------------------------------------- shared memory
+
+
+_TY = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32", torch.uint8: "u8",
+       torch.float8_e4m3fn: "fp8e4nv"}
+
+
+def _signature_type(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return "*" + _TY[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -2**31 <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(type(value))
+
+
+def sm120_shared(launch) -> int:
+    """Cross-compiles one launch for sm_120 and returns its static shared memory in bytes."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    meta = dict(launch.meta)
+    options = {"num_warps": meta.pop("num_warps"), "num_stages": meta.pop("num_stages", 1)}
+    names = list(inspect.signature(launch.kernel.fn).parameters)
+    signature = {n: _signature_type(v) for n, v in zip(names, launch.args)}
+    signature.update({n: "constexpr" for n in meta})
+    compiled = triton.compile(ASTSource(fn=launch.kernel, signature=signature, constexprs=meta),
+                              target=GPUTarget("cuda", 120, 32), options=options)
+    return int(compiled.metadata.shared)
+
+
+def local_shared() -> list[dict]:
+    """Shared memory of every kernel compiled in this process on this GPU."""
+    found = []
+    for kernel in (sm._sparse_mla_fwd, sm._sparse_mla_combine):
+        for cache in getattr(kernel, "device_caches", {}).values():
+            for entry in (cache if isinstance(cache, tuple) else (cache,)):
+                if isinstance(entry, dict):
+                    for compiled in entry.values():
+                        if hasattr(compiled, "metadata"):
+                            found.append(dict(kernel=kernel.fn.__name__, shared=int(compiled.metadata.shared),
+                                              num_warps=int(compiled.metadata.num_warps)))
+    return found
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def run_case(case: Case, device, smoke: bool, sm120: dict) -> Result:
+    """Checks, then times one case; adds its launches to `sm120` (config key -> launch)."""
+    res = Result(case=asdict(case))
+    args = make_inputs(case, device)
+    kernel = lambda: torch.ops.dsv4.sparse_mla(*args)  # noqa: E731
+    reference = lambda: sm.sparse_mla_reference(*args)  # noqa: E731
+    got, want = kernel(), reference()
+    res.max_abs_err = float((got.float() - want.float()).abs().max())
+    # bf16 output of a convex combination of rows |v| <~ 5 (FP8 rows scaled by <= 2^2): P and out
+    # rounded to bf16, 2^-9 relative each, so 4e-2 absolute covers it with margin.
+    res.correct = bool(torch.allclose(got.float(), want.float(), atol=4e-2, rtol=2e-2))
+    if not res.correct:
+        res.notes.append("MISMATCH vs reference")
+    res.bytes, res.flops = floors(case, args)
+    res.floor_us = max(res.bytes / HBM_BYTES_PER_S, res.flops / BF16_FLOPS_PER_S) * 1e6
+    out = torch.empty_like(args[0])
+    launches = sm.plan_sparse_mla(*args, out=out)
+    fwd = launches[0]
+    res.config = {k: fwd.meta[k] for k in ("T_BLOCK", "H_BLOCK", "BLOCK_N", "num_warps")}
+    res.config.update(num_splits=fwd.grid[1], grid=list(fwd.grid))
+    for launch in launches:
+        key = (launch.kernel.fn.__name__, tuple(sorted((k, str(v)) for k, v in launch.meta.items())))
+        sm120.setdefault(key, launch)  # cross-compiled after the timings (check_sm120)
+    t_kernel, how = graph_timer(kernel, smoke)
+    res.kernel_us = t_kernel * 1e6
+    res.notes.append(f"timing: {how}")
+    res.eager_us = graph_timer(reference, smoke)[0] * 1e6
+    if case.compile_baseline:
+        compiled = torch.compile(sm.sparse_mla_reference, dynamic=False)
+        res.compiled_us = graph_timer(lambda: compiled(*args), smoke)[0] * 1e6
+    res.floor_fraction = res.floor_us / res.kernel_us
+    res.tflops = res.flops / (res.kernel_us * 1e-6) / 1e12
+    print(f"[{case.name} B={case.batch} T={case.tokens} H={case.heads}] kernel {res.kernel_us:.1f} us, eager "
+          f"{res.eager_us:.1f}, compiled {res.compiled_us:.1f}, floor {res.floor_us:.2f}, err {res.max_abs_err:.3g}",
+          file=sys.stderr, flush=True)
+    return res
+
+
+def check_sm120(launches: dict, smoke: bool, budget_s: float) -> dict:
+    """Shared memory of each distinct config cross-compiled for sm_120, within a time budget."""
+    out, deadline = {}, time.perf_counter() + budget_s
+    for key, launch in launches.items():
+        if smoke:
+            out[key] = "not checked: the interpreter's kernels cannot be cross-compiled"
+        elif time.perf_counter() > deadline:
+            out[key] = "not checked: time budget spent"
+        else:
+            try:
+                out[key] = sm120_shared(launch)
+            except Exception as exc:  # noqa: BLE001 - recorded, and the check below fails
+                out[key] = f"compile failed: {exc!r:.120}"
+    return out
+
+
+def markdown(results: list[Result], summary: dict, shared: dict) -> str:
+    lines = [
+        f"# sparse_mla bench ({summary['device']}, torch {torch.__version__}, triton {triton.__version__})",
+        "",
+        "| case | B | T | H | K extra | kernel us | eager us | compiled us | floor us | floor frac | TFLOPS |"
+        " vs eager | max err | config |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        c = r.case
+        cfg = f"t{r.config['T_BLOCK']}h{r.config['H_BLOCK']}n{r.config['BLOCK_N']}s{r.config['num_splits']}"
+        lines.append(
+            f"| {c['name']} | {c['batch']} | {c['tokens']} | {c['heads']} | {c['extra_len']} | {r.kernel_us:.1f} | "
+            f"{r.eager_us:.1f} | {r.compiled_us:.1f} | {r.floor_us:.2f} | {r.floor_fraction:.2f} | {r.tflops:.1f} | "
+            f"{r.eager_us / r.kernel_us:.1f}x | {r.max_abs_err:.3g}{'' if r.correct else ' FAIL'} | {cfg} |")
+    lines += ["", "## Summary", ""]
+    lines += [f"- {k}: {v}" for k, v in summary.items()]
+    lines += ["", "## Shared memory per compiled config (limit 101,376 B)", ""]
+    lines += [f"- {k}: {v}" for k, v in shared.items()]
+    return "\n".join(lines)
+
+
+def tune(device) -> None:
+    """Times a few tile configs at B=64 (a development aid; prints one line per config)."""
+    picks = [Case("csa-bf16", 64, 1, 64, "csa", "bf16", 512), Case("csa-fp8", 64, 1, 64, "csa", "fp8", 512),
+             Case("csa-bf16", 64, 4, 64, "csa", "bf16", 512), Case("hca-bf16", 64, 4, 64, "hca", "bf16", 1024)]
+    for case in picks:
+        args = make_inputs(case, device)
+        base = sm.pick_config(case.batch, case.tokens, case.heads, case.head_dim, case.window + case.extra_len,
+                              device)
+        want = sm.sparse_mla_reference(*args)
+        for block_n, stages, warps in ((16, 1, 8), (16, 2, 8), (32, 1, 8), (32, 2, 8), (32, 2, 4)):
+            cfg = sm.LaunchConfig(base.t_block, base.h_block, block_n, base.num_splits, warps, stages)
+            try:
+                run = lambda: sm.sparse_mla_triton(*args, config=cfg, validate=False)  # noqa: E731
+                err = float((run().float() - want.float()).abs().max())
+                print(f"{case.name} B={case.batch} T={case.tokens} {cfg}: {graph_timer(run, False)[0] * 1e6:.1f} us"
+                      f" err {err:.3g}", flush=True)
+            except Exception as exc:  # noqa: BLE001 - a config that does not compile is reported
+                print(f"{case.name} T={case.tokens} {cfg}: failed {exc!r:.200}", flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU with TRITON_INTERPRET=1")
+    parser.add_argument("--tune", action="store_true", help="time a few tile configs at B=64, then stop")
+    parser.add_argument("--sm120-budget", type=float, default=60.0,
+                        help="seconds for cross-compiling the configs for sm_120 (the rest are listed unchecked)")
+    opts = parser.parse_args()
+    opts.out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cpu" if opts.smoke else "cuda")
+    if opts.tune:
+        tune(device)
+        return 0
+    start = time.perf_counter()
+    launches: dict = {}
+    results = [run_case(case, device, opts.smoke, launches) for case in cases(opts.smoke)]
+    sm120 = check_sm120(launches, opts.smoke, opts.sm120_budget)
+
+    def find(**kw):
+        return [r for r in results if all(r.case[k] == v for k, v in kw.items())]
+
+    summary = {"device": "CPU interpreter (smoke)" if opts.smoke else torch.cuda.get_device_name(),
+               "all correct": all(r.correct for r in results)}
+    if not opts.smoke:
+        for r in find(batch=64, tokens=1, heads=64):
+            summary[f"floor fraction B=64 T=1 H=64 {r.case['name']} (target >= 0.5)"] = round(r.floor_fraction, 3)
+        for r4 in find(tokens=4):
+            r1 = [r for r in find(tokens=1, name=r4.case["name"], batch=r4.case["batch"], heads=r4.case["heads"])]
+            if r1:
+                summary[f"T4/T1 {r4.case['name']} B={r4.case['batch']} H={r4.case['heads']} (target <= 2)"] = round(
+                    r4.kernel_us / r1[0].kernel_us, 2)
+        for r in find(name="flashmla-cfg"):
+            summary[f"FlashMLA config {r.case['fmt']}: our TFLOPS (FlashMLA: 410 on H800)"] = round(r.tflops, 1)
+    shared = {f"sm_120 {name} {dict(meta)}": v for (name, meta), v in sm120.items()}
+    if not opts.smoke:
+        for i, entry in enumerate(local_shared()):
+            shared[f"{torch.cuda.get_device_name()} #{i} {entry['kernel']} warps={entry['num_warps']}"] = entry["shared"]
+    summary["bench seconds"] = round(time.perf_counter() - start, 1)
+    (opts.out / "sparse_mla.json").write_text(json.dumps(
+        dict(summary=summary, shared=shared, results=[asdict(r) for r in results]), indent=1, default=str))
+    table = markdown(results, summary, shared)
+    (opts.out / "sparse_mla.md").write_text(table + "\n")
+    print(table)
+    too_big = {k: v for k, v in shared.items()
+               if not opts.smoke and (isinstance(v, int) and v > SM120_SHARED_LIMIT or "failed" in str(v))}
+    if too_big:
+        print(f"SHARED MEMORY CHECK FAILED: {too_big}", file=sys.stderr)
+        return 1
+    return 0 if summary["all correct"] else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

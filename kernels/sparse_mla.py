@@ -1,0 +1,610 @@
+"""dsv4::sparse_mla: sparse MQA attention with a per-head sink, for decode and verify (T >= 1).
+
+One KV head (K == V) of head_dim Dh; each query token attends the rows of a main pool (the
+sliding window) and optionally of an extra pool (c4 top-k or all c128 entries) chosen by index
+lists, with -1 meaning "skip". Rows are bf16/f32, or FP8 rows (e4m3 nope with one ue8m0 exponent
+per 64 dims, then the rope dims as bf16 bytes).
+
+The Triton kernel keeps the T query tokens of a request together: a program owns T_BLOCK tokens x
+H_BLOCK heads of one request and loads each KV tile once for all of them, at the row
+u[j] = max_t idx[b, t, j]; a token whose index differs from u[j] at position j (CSA top-k lists)
+gets an extra online-softmax step over a masked load of only those lanes (masked lanes cost no
+memory traffic, but each such step costs a full M-row dot). The tile loop stops after the last
+tile holding a selected row of the program's tokens (HCA lists have -1 tails). For small grids
+the index positions are split across programs (split-K) and a combine kernel merges the partial
+(max, sum, acc) triples and adds the sink. Head blocks of one request each read the request's
+tiles (the later ones from L2).
+
+Out-of-range indices (idx < 0 or idx >= number of rows of the pool) are treated as skip by both
+the kernel and the reference: they are never read, and no host sync is needed to validate them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._runtime import triton_runs_on
+
+LOG2E = 1.4426950408889634
+SCALE_GROUP = 64  # nope dims per ue8m0 exponent in FP8 rows
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def dequantize_fp8_rows(rows: torch.Tensor, scales: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """FP8 rows [N, nope + 2*rope] uint8 + exponents [N, >= nope/64] uint8 -> [N, head_dim] f32.
+
+    nope = 2*head_dim - row_bytes e4m3 values, each times 2^(e-127) of its 64-dim group, then
+    rope = row_bytes - head_dim bf16 values stored as little-endian byte pairs.
+    """
+    rope = rows.shape[1] - head_dim
+    nope = head_dim - rope
+    nope_vals = rows[:, :nope].contiguous().view(torch.float8_e4m3fn).float()
+    exps = scales[:, : nope // SCALE_GROUP].float() - 127.0
+    nope_vals = nope_vals * torch.exp2(exps).repeat_interleave(SCALE_GROUP, dim=1)
+    rope_vals = rows[:, nope:].contiguous().view(torch.bfloat16).float()
+    return torch.cat([nope_vals, rope_vals], dim=1)
+
+
+def _pool_logits_and_values(q32, rows, scales, idx, scale):
+    """q32 [B,T,H,D] f32, rows of one pool, idx [B,T,K] -> logits [B,T,H,K] f32 (-inf = skip), values."""
+    head_dim = q32.shape[-1]
+    vals = dequantize_fp8_rows(rows, scales, head_dim) if rows.dtype == torch.uint8 else rows.float()
+    ok = (idx >= 0) & (idx < rows.shape[0])
+    gathered = vals[torch.where(ok, idx, 0).long()]  # [B, T, K, D]
+    logits = torch.einsum("bthd,btkd->bthk", q32, gathered) * scale
+    logits = logits.masked_fill(~ok.unsqueeze(2), float("-inf"))
+    return logits, gathered
+
+
+def sparse_mla_reference(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    kv_scale: torch.Tensor | None,
+    idx: torch.Tensor,
+    extra_kv: torch.Tensor | None,
+    extra_kv_scale: torch.Tensor | None,
+    extra_idx: torch.Tensor | None,
+    sink: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """The spec, in f32: out[b,t,h] = softmax(scale * q.k over the selected rows, sink) @ v.
+
+    q [B,T,H,D] bf16/f32; kv [N,D] (q's dtype) or FP8 rows [N, nope+2*rope] uint8 with kv_scale;
+    idx [B,T,Kw] int (-1 or out of range = skip); the extra_* the same for a second pool or None;
+    sink [H] f32 or None (exp(sink) joins the denominator, adds no value). Returns [B,T,H,D] in
+    q's dtype; a token with no selected row (and any sink) gives zeros.
+    """
+    q32 = q.float()
+    logits, values = _pool_logits_and_values(q32, kv, kv_scale, idx, scale)
+    if extra_kv is not None:
+        e_logits, e_values = _pool_logits_and_values(q32, extra_kv, extra_kv_scale, extra_idx, scale)
+        logits = torch.cat([logits, e_logits], dim=-1)
+        values = torch.cat([values, e_values], dim=2)
+    batch, tokens, heads, _ = q.shape
+    if sink is None:
+        sink_col = torch.full((batch, tokens, heads, 1), float("-inf"), device=q.device)
+    else:
+        sink_col = sink.float().view(1, 1, heads, 1).expand(batch, tokens, heads, 1)
+    full = torch.cat([logits, sink_col], dim=-1)
+    top = full.amax(dim=-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    weights = torch.exp(full - top)
+    denom = weights.sum(dim=-1, keepdim=True)
+    probs = torch.where(denom > 0, weights / denom, torch.zeros_like(weights))[..., :-1]
+    return torch.einsum("bthk,btkd->bthd", probs, values).to(q.dtype)
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Facts about the inputs that the launcher needs (derived from shapes only)."""
+
+    head_dim: int
+    nope: int  # FP8 rows only (else == head_dim)
+    fp8: bool
+    has_extra: bool
+
+
+def _check_pool(name: str, rows, scales, idx, q: torch.Tensor) -> tuple[bool, int]:
+    """Validates one pool; returns (is_fp8, nope)."""
+    batch, tokens, _, head_dim = q.shape
+    if not isinstance(rows, torch.Tensor) or rows.dim() != 2:
+        raise ValueError(f"{name}: expected a 2-D tensor of rows, got {getattr(rows, 'shape', rows)}")
+    if rows.device != q.device:
+        raise ValueError(f"{name}: on {rows.device}, q is on {q.device}")
+    sname = f"{name}_scale" if name == "kv" else "extra_kv_scale"
+    iname = "idx" if name == "kv" else "extra_idx"
+    if rows.dtype == torch.uint8:
+        rope = rows.shape[1] - head_dim
+        nope = head_dim - rope
+        if rope < 0 or nope <= 0 or nope % SCALE_GROUP:
+            raise ValueError(
+                f"{name}: FP8 rows of {rows.shape[1]} bytes do not fit head_dim {head_dim}: need "
+                f"nope + 2*rope bytes with nope + rope = head_dim and nope a positive multiple of 64")
+        if rows.stride(1) != 1 or rows.stride(0) % 2:
+            raise ValueError(f"{name}: FP8 rows need unit column stride and an even row stride, got {rows.stride()}")
+        if (not isinstance(scales, torch.Tensor) or scales.dtype != torch.uint8 or scales.dim() != 2
+                or scales.shape[0] != rows.shape[0] or scales.shape[1] < nope // SCALE_GROUP):
+            raise ValueError(
+                f"{sname}: FP8 rows need uint8 exponents [{rows.shape[0]}, >= {nope // SCALE_GROUP}], "
+                f"got {getattr(scales, 'dtype', None)} {getattr(scales, 'shape', None)}")
+        if scales.device != q.device:
+            raise ValueError(f"{sname}: on {scales.device}, q is on {q.device}")
+        fp8 = True
+    else:
+        if rows.dtype != q.dtype:
+            raise ValueError(f"{name}: dtype {rows.dtype} must be uint8 (FP8 rows) or q's dtype {q.dtype}")
+        if rows.shape[1] != head_dim:
+            raise ValueError(f"{name}: head dim {rows.shape[1]} != q's head dim {head_dim}")
+        if scales is not None:
+            raise ValueError(f"{sname}: must be None for {rows.dtype} rows")
+        fp8, nope = False, head_dim
+    if not isinstance(idx, torch.Tensor) or idx.dtype != torch.int32 or idx.dim() != 3:
+        raise ValueError(f"{iname}: expected int32 [B, T, K], got {getattr(idx, 'dtype', idx)} "
+                         f"{getattr(idx, 'shape', '')}")
+    if tuple(idx.shape[:2]) != (batch, tokens):
+        raise ValueError(f"{iname}: shape {tuple(idx.shape)} disagrees with q's [B, T] = [{batch}, {tokens}]")
+    if idx.device != q.device:
+        raise ValueError(f"{iname}: on {idx.device}, q is on {q.device}")
+    return fp8, nope
+
+
+def validate_sparse_mla_inputs(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx, sink, scale) -> _Layout:
+    """Raises ValueError naming the bad argument; returns the layout. Never syncs with the device."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise ValueError(f"q: expected [B, T, H, Dh], got {getattr(q, 'shape', q)}")
+    if q.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"q: dtype {q.dtype} unsupported; use bfloat16 or float32")
+    batch, tokens, heads, head_dim = q.shape
+    if min(batch, tokens, heads) < 1 or head_dim < 16 or head_dim % 16:
+        raise ValueError(f"q: shape {tuple(q.shape)} needs B, T, H >= 1 and Dh a positive multiple of 16")
+    fp8, nope = _check_pool("kv", kv, kv_scale, idx, q)
+    has_extra = extra_kv is not None or extra_idx is not None or extra_kv_scale is not None
+    if has_extra:
+        if extra_kv is None or extra_idx is None:
+            raise ValueError("extra_kv and extra_idx: give both or neither")
+        extra_fp8, extra_nope = _check_pool("extra_kv", extra_kv, extra_kv_scale, extra_idx, q)
+        if (extra_fp8, extra_nope, extra_kv.dtype) != (fp8, nope, kv.dtype):
+            raise ValueError(f"extra_kv: format {extra_kv.dtype} {tuple(extra_kv.shape)} differs from kv's "
+                             f"{kv.dtype} {tuple(kv.shape)}; both pools must share one row format")
+    if sink is not None:
+        if not isinstance(sink, torch.Tensor) or sink.dtype != torch.float32 or tuple(sink.shape) != (heads,):
+            raise ValueError(f"sink: expected float32 [{heads}], got {getattr(sink, 'dtype', sink)} "
+                             f"{getattr(sink, 'shape', '')}")
+        if sink.device != q.device:
+            raise ValueError(f"sink: on {sink.device}, q is on {q.device}")
+    if not isinstance(scale, (float, int)) or not math.isfinite(scale):
+        raise ValueError(f"scale: expected a finite float, got {scale!r}")
+    return _Layout(head_dim=head_dim, nope=nope, fp8=fp8, has_extra=has_extra)
+
+
+# ----------------------------------------------------------------------------- Triton kernels
+
+
+@triton.jit
+def _load_rows(kv_ptr, rope_ptr, scale_ptr, rows, row_ok, offs_d,
+               stride_row, stride_col, stride_rope_row, stride_scale_row,
+               HEAD_DIM: tl.constexpr, NOPE: tl.constexpr, FP8: tl.constexpr, OUT_DTYPE: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows `rows` [BN] (int64) of a pool -> [BN, BLOCK_D] in OUT_DTYPE; lanes not row_ok are 0 and unread."""
+    rows2 = rows[:, None]
+    d2 = offs_d[None, :]
+    if FP8:
+        nope_mask = row_ok[:, None] & (d2 < NOPE)
+        e4m3 = tl.load(kv_ptr + rows2 * stride_row + d2, mask=nope_mask, other=0.0)
+        # one exponent per 64 dims: load [BN, BLOCK_D/64] and broadcast, not one load per element
+        groups = tl.arange(0, BLOCK_D // 64)
+        exps = tl.load(scale_ptr + rows2 * stride_scale_row + groups[None, :],
+                       mask=row_ok[:, None] & (groups[None, :] < NOPE // 64), other=127)
+        mult = tl.exp2(exps.to(tl.float32) - 127.0)
+        mult = tl.reshape(tl.broadcast_to(mult[:, :, None], (BLOCK_N, BLOCK_D // 64, 64)), (BLOCK_N, BLOCK_D))
+        nope = e4m3.to(tl.float32) * mult
+        rope_mask = row_ok[:, None] & (d2 >= NOPE) & (d2 < HEAD_DIM)
+        rope = tl.load(rope_ptr + rows2 * stride_rope_row + (d2 - NOPE), mask=rope_mask, other=0.0)
+        vals = tl.where(d2 < NOPE, nope, rope.to(tl.float32))
+    else:
+        vals = tl.load(kv_ptr + rows2 * stride_row + d2 * stride_col,
+                       mask=row_ok[:, None] & (d2 < HEAD_DIM), other=0.0)
+    return vals.to(OUT_DTYPE)
+
+
+@triton.jit
+def _online_softmax_step(q, m_i, l_i, acc, k, use, qk_scale_log2,
+                         KV_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One flash step: rows of q against the tile k [BN, D], lanes `use` [M, BN] only (log2 domain)."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    s = tl.where(use, s * qk_scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(KV_DTYPE), k, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _attend_tile(q, m_i, l_i, acc, tile, row_ok, tok, offs_t, t_base, offs_d,
+                 kv_ptr, rope_ptr, scale_ptr, stride_row, stride_col, stride_rope_row, stride_scale_row,
+                 idx_ptr, stride_it, stride_ik, num_rows, num_idx, T, qk_scale_log2,
+                 HEAD_DIM: tl.constexpr, NOPE: tl.constexpr, FP8: tl.constexpr,
+                 T_BLOCK: tl.constexpr, H_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                 KV_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Index positions [tile*BN, tile*BN + BN) of one pool for the program's T_BLOCK x H_BLOCK rows."""
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < num_idx
+    idx_tok = tl.load(idx_ptr + offs_t[:, None] * stride_it + offs_n[None, :] * stride_ik,
+                      mask=(offs_t < T)[:, None] & n_ok[None, :], other=-1)
+    idx_tok = tl.where((idx_tok >= 0) & (idx_tok < num_rows), idx_tok, -1)  # out of range = skip
+    shared_row = tl.max(idx_tok, axis=0)  # [BN]: loaded once for every token that selects it
+    shared_tok = (idx_tok == shared_row[None, :]) & (idx_tok >= 0)
+    fix_tok = (idx_tok >= 0) & ~shared_tok  # a token whose row differs from the shared one
+    shared_m = tl.reshape(tl.broadcast_to(shared_tok[:, None, :], (T_BLOCK, H_BLOCK, BLOCK_N)),
+                          (T_BLOCK * H_BLOCK, BLOCK_N)) & row_ok[:, None]
+    k = _load_rows(kv_ptr, rope_ptr, scale_ptr, shared_row.to(tl.int64), shared_row >= 0, offs_d,
+                   stride_row, stride_col, stride_rope_row, stride_scale_row, HEAD_DIM, NOPE, FP8, KV_DTYPE,
+                   BLOCK_N, BLOCK_D)
+    m_i, l_i, acc = _online_softmax_step(q, m_i, l_i, acc, k, shared_m, qk_scale_log2, KV_DTYPE, DOT_PRECISION)
+    if tl.max(tl.max(fix_tok.to(tl.int32), axis=1), axis=0) > 0:
+        for t in tl.static_range(T_BLOCK):
+            mine = offs_t == t_base + t
+            rows_t = tl.sum(tl.where(mine[:, None], idx_tok, 0), axis=0)
+            fix_t = tl.max(tl.where(mine[:, None], fix_tok, False).to(tl.int32), axis=0) > 0
+            if tl.max(fix_t.to(tl.int32), axis=0) > 0:
+                k_t = _load_rows(kv_ptr, rope_ptr, scale_ptr, rows_t.to(tl.int64), fix_t, offs_d,
+                                 stride_row, stride_col, stride_rope_row, stride_scale_row,
+                                 HEAD_DIM, NOPE, FP8, KV_DTYPE, BLOCK_N, BLOCK_D)
+                use = (tok == t_base + t)[:, None] & fix_t[None, :] & row_ok[:, None]
+                m_i, l_i, acc = _online_softmax_step(q, m_i, l_i, acc, k_t, use, qk_scale_log2,
+                                                     KV_DTYPE, DOT_PRECISION)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _attend_pool(q, m_i, l_i, acc, row_ok, tok, offs_t, t_base, offs_d,
+                 kv_ptr, rope_ptr, scale_ptr, stride_row, stride_col, stride_rope_row, stride_scale_row,
+                 idx_ptr, stride_it, stride_ik, num_rows, num_idx, tile_lo, tile_hi, T, qk_scale_log2,
+                 HEAD_DIM: tl.constexpr, NOPE: tl.constexpr, FP8: tl.constexpr,
+                 T_BLOCK: tl.constexpr, H_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_K: tl.constexpr,
+                 KV_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
+                 NUM_STAGES: tl.constexpr):
+    """Online softmax of the program's rows over tiles [tile_lo, tile_hi) of one pool.
+
+    The loop stops after the last tile holding a selected row of these tokens (HCA lists have
+    long -1 tails); inside, lanes with -1 are masked and cost no memory traffic.
+    """
+    offs_k = tl.arange(0, BLOCK_K)
+    all_idx = tl.load(idx_ptr + offs_t[:, None] * stride_it + offs_k[None, :] * stride_ik,
+                      mask=(offs_t < T)[:, None] & (offs_k < num_idx)[None, :], other=-1)
+    used = (all_idx >= 0) & (all_idx < num_rows)
+    last = tl.max(tl.max(tl.where(used, offs_k[None, :], -1), axis=1), axis=0)
+    tile_hi = tl.minimum(tile_hi, (last + BLOCK_N) // BLOCK_N)
+    if INTERPRETED:  # the interpreter (numpy >= 2.4) cannot take range() bounds from its scalars
+        tile = tile_lo
+        while tile < tile_hi:
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, tile, row_ok, tok, offs_t, t_base, offs_d,
+                kv_ptr, rope_ptr, scale_ptr, stride_row, stride_col, stride_rope_row, stride_scale_row,
+                idx_ptr, stride_it, stride_ik, num_rows, num_idx, T, qk_scale_log2,
+                HEAD_DIM, NOPE, FP8, T_BLOCK, H_BLOCK, BLOCK_N, BLOCK_D, KV_DTYPE, DOT_PRECISION)
+            tile += 1
+    else:
+        for tile in tl.range(tile_lo, tile_hi, num_stages=NUM_STAGES):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, tile, row_ok, tok, offs_t, t_base, offs_d,
+                kv_ptr, rope_ptr, scale_ptr, stride_row, stride_col, stride_rope_row, stride_scale_row,
+                idx_ptr, stride_it, stride_ik, num_rows, num_idx, T, qk_scale_log2,
+                HEAD_DIM, NOPE, FP8, T_BLOCK, H_BLOCK, BLOCK_N, BLOCK_D, KV_DTYPE, DOT_PRECISION)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _sparse_mla_fwd(
+    q_ptr, stride_qb, stride_qt, stride_qh, stride_qd,
+    kv_ptr, rope_ptr, scale_ptr, stride_row, stride_col, stride_rope_row, stride_scale_row, num_rows,
+    idx_ptr, stride_ib, stride_it, stride_ik, num_idx,
+    ekv_ptr, erope_ptr, escale_ptr, e_stride_row, e_stride_col, e_stride_rope_row, e_stride_scale_row,
+    e_num_rows, eidx_ptr, e_stride_ib, e_stride_it, e_stride_ik, e_num_idx,
+    sink_ptr, out_ptr, part_ml_ptr, part_acc_ptr,
+    T, H, num_hblocks, num_tgroups, num_splits, tiles_per_split, qk_scale_log2,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NOPE: tl.constexpr, FP8: tl.constexpr,
+    T_BLOCK: tl.constexpr, H_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_EXTRA: tl.constexpr, HAS_SINK: tl.constexpr, SPLIT: tl.constexpr,
+    KV_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_K: tl.constexpr, E_BLOCK_K: tl.constexpr,
+    INTERPRETED: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    """One program: T_BLOCK tokens x H_BLOCK heads of one request over one split of the tiles.
+
+    Writes the normalised output (SPLIT false) or the partial (max, sum) [B,T,H,S,2] and the
+    unnormalised acc [B,T,H,S,Dh] (SPLIT true; the combine kernel finishes).
+    """
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    hb = pid % num_hblocks
+    rest = pid // num_hblocks
+    tg = rest % num_tgroups
+    b = (rest // num_tgroups).to(tl.int64)
+    t_base = tg * T_BLOCK
+    offs_m = tl.arange(0, T_BLOCK * H_BLOCK)
+    tok = t_base + offs_m // H_BLOCK
+    head = hb * H_BLOCK + offs_m % H_BLOCK
+    row_ok = (tok < T) & (head < H)
+    offs_t = t_base + tl.arange(0, T_BLOCK)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+
+    q = tl.load(q_ptr + b * stride_qb + tok[:, None] * stride_qt + head[:, None] * stride_qh
+                + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = q.to(KV_DTYPE)
+    m_i = tl.full([T_BLOCK * H_BLOCK], float("-inf"), tl.float32)
+    l_i = tl.zeros([T_BLOCK * H_BLOCK], tl.float32)
+    acc = tl.zeros([T_BLOCK * H_BLOCK, BLOCK_D], tl.float32)
+
+    tiles_main = tl.cdiv(num_idx, BLOCK_N)
+    tiles_all = tiles_main
+    if HAS_EXTRA:
+        tiles_all += tl.cdiv(e_num_idx, BLOCK_N)
+    lo = split * tiles_per_split
+    hi = tl.minimum(lo + tiles_per_split, tiles_all)
+    m_i, l_i, acc = _attend_pool(
+        q, m_i, l_i, acc, row_ok, tok, offs_t, t_base, offs_d,
+        kv_ptr, rope_ptr, scale_ptr, stride_row, stride_col, stride_rope_row, stride_scale_row,
+        idx_ptr + b * stride_ib, stride_it, stride_ik, num_rows, num_idx,
+        lo, tl.minimum(hi, tiles_main), T, qk_scale_log2,
+        HEAD_DIM, NOPE, FP8, T_BLOCK, H_BLOCK, BLOCK_N, BLOCK_D, BLOCK_K, KV_DTYPE, DOT_PRECISION, INTERPRETED, NUM_STAGES)
+    if HAS_EXTRA:
+        m_i, l_i, acc = _attend_pool(
+            q, m_i, l_i, acc, row_ok, tok, offs_t, t_base, offs_d,
+            ekv_ptr, erope_ptr, escale_ptr, e_stride_row, e_stride_col, e_stride_rope_row, e_stride_scale_row,
+            eidx_ptr + b * e_stride_ib, e_stride_it, e_stride_ik, e_num_rows, e_num_idx,
+            tl.maximum(lo - tiles_main, 0), hi - tiles_main, T, qk_scale_log2,
+            HEAD_DIM, NOPE, FP8, T_BLOCK, H_BLOCK, BLOCK_N, BLOCK_D, E_BLOCK_K, KV_DTYPE, DOT_PRECISION, INTERPRETED,
+            NUM_STAGES)
+
+    bth = (b * T + tok) * H + head  # flat (b, t, h) of each row
+    if SPLIT:
+        ml_off = (bth * num_splits + split) * 2
+        tl.store(part_ml_ptr + ml_off, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + ml_off + 1, l_i, mask=row_ok)
+        tl.store(part_acc_ptr + (bth * num_splits + split)[:, None] * HEAD_DIM + offs_d[None, :], acc,
+                 mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        if HAS_SINK:
+            sink = tl.load(sink_ptr + head, mask=row_ok, other=float("-inf")) * 1.4426950408889634
+            m_all = tl.maximum(m_i, sink)
+            m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
+            acc_w = tl.exp2(m_i - m_all)
+            denom = l_i * acc_w + tl.exp2(sink - m_all)
+        else:
+            acc_w = tl.full([T_BLOCK * H_BLOCK], 1.0, tl.float32)
+            denom = l_i
+        factor = tl.where(denom > 0, acc_w / tl.where(denom > 0, denom, 1.0), 0.0)
+        out = acc * factor[:, None]
+        tl.store(out_ptr + bth[:, None] * HEAD_DIM + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _sparse_mla_combine(part_ml_ptr, part_acc_ptr, sink_ptr, out_ptr, H, num_splits,
+                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                        HAS_SINK: tl.constexpr):
+    """One program per (b, t, h): merges the split partials (log2 domain) and adds the sink."""
+    bth = tl.program_id(0).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    s_ok = offs_s < num_splits
+    m_s = tl.load(part_ml_ptr + (bth * num_splits + offs_s) * 2, mask=s_ok, other=float("-inf"))
+    l_s = tl.load(part_ml_ptr + (bth * num_splits + offs_s) * 2 + 1, mask=s_ok, other=0.0)
+    m_all = tl.max(m_s, axis=0)
+    if HAS_SINK:
+        sink = tl.load(sink_ptr + bth % H) * 1.4426950408889634
+        m_all = tl.maximum(m_all, sink)
+    m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
+    w_s = tl.exp2(m_s - m_all)
+    denom = tl.sum(l_s * w_s, axis=0)
+    if HAS_SINK:
+        denom += tl.exp2(sink - m_all)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    acc_s = tl.load(part_acc_ptr + (bth * num_splits + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    out = tl.sum(acc_s * w_s[:, None], axis=0)
+    out = tl.where(denom > 0, out / tl.where(denom > 0, denom, 1.0), 0.0)
+    tl.store(out_ptr + bth * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+# ----------------------------------------------------------------------------- launcher
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tile sizes and grid of one launch; a function of shapes and device only (capture-safe)."""
+
+    t_block: int
+    h_block: int
+    block_n: int
+    num_splits: int
+    num_warps: int
+    num_stages: int
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: small, so that CPU tests exercise split-K
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+def pick_config(batch: int, tokens: int, heads: int, head_dim: int, num_idx_total: int,
+                device: torch.device, num_splits: int | None = None, fp8_rows: bool = False) -> LaunchConfig:
+    """Rows per program M = t_block * h_block <= 32 at Dh 512 (acc [M, Dh] f32 lives in registers)."""
+    block_d = triton.next_power_of_2(head_dim)
+    max_rows = 32 if block_d >= 512 else 64
+    t_block = min(triton.next_power_of_2(tokens), max_rows)
+    h_block = min(triton.next_power_of_2(heads), max(1, max_rows // t_block))
+    if t_block * h_block < 16:  # tl.dot needs M >= 16; the extra heads are masked
+        h_block = 16 // t_block
+    block_n = 32
+    num_tiles = max(1, triton.cdiv(num_idx_total, block_n))
+    programs = batch * triton.cdiv(tokens, t_block) * triton.cdiv(heads, h_block)
+    if num_splits is None:
+        sms = _sm_count(device)
+        num_splits = 1 if programs >= sms else min(triton.cdiv(2 * sms, programs), triton.cdiv(num_tiles, 2))
+    num_splits = max(1, min(num_splits, num_tiles))
+    # Measured on the H200 at B=64 (bench --tune): bf16 rows 4 warps, 2 stages; FP8 rows 8 warps,
+    # 1 stage. Every config stays under sm_120's 101,376 B of shared memory (the bench checks).
+    if fp8_rows:
+        return LaunchConfig(t_block, h_block, block_n, num_splits, num_warps=8, num_stages=1)
+    return LaunchConfig(t_block, h_block, block_n, num_splits, num_warps=4, num_stages=2)
+
+
+def _pool_args(rows: torch.Tensor, scales: torch.Tensor | None, layout: _Layout):
+    """(values ptr, rope ptr, scale ptr, row stride, col stride, rope row stride, scale row stride, N)."""
+    if layout.fp8:
+        e4m3 = rows.view(torch.float8_e4m3fn)
+        rope = rows.view(torch.bfloat16)[:, layout.nope // 2:]
+        return (e4m3, rope, scales, rows.stride(0), 1, rope.stride(0), scales.stride(0), rows.shape[0])
+    return (rows, rows, rows, rows.stride(0), rows.stride(1), 0, 0, rows.shape[0])
+
+
+@dataclass
+class KernelLaunch:
+    """One kernel launch: the jit function, its grid, positional args and constexpr/launch kwargs."""
+
+    kernel: object
+    grid: tuple
+    args: tuple
+    meta: dict
+
+
+def plan_sparse_mla(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx, sink, scale,
+                    out: torch.Tensor, num_splits: int | None = None,
+                    config: LaunchConfig | None = None) -> list[KernelLaunch]:
+    """The launches (forward, then combine when split) that compute `out`; allocates split workspaces.
+
+    config overrides `pick_config` (for tuning).
+    """
+    layout = _layout_of(q, kv, extra_kv)
+    batch, tokens, heads, head_dim = q.shape
+    num_extra = extra_idx.shape[2] if layout.has_extra else 0
+    cfg = config or pick_config(batch, tokens, heads, head_dim, idx.shape[2] + num_extra, q.device, num_splits,
+                                layout.fp8)
+    block_d = triton.next_power_of_2(head_dim)
+    num_tiles = triton.cdiv(idx.shape[2], cfg.block_n) + triton.cdiv(num_extra, cfg.block_n)
+    tiles_per_split = max(1, triton.cdiv(num_tiles, cfg.num_splits))
+    split = cfg.num_splits > 1
+    if split:
+        part_ml = torch.empty((batch * tokens * heads * cfg.num_splits * 2,), dtype=torch.float32, device=q.device)
+        part_acc = torch.empty((batch * tokens * heads * cfg.num_splits * head_dim,), dtype=torch.float32,
+                               device=q.device)
+    else:
+        part_ml = part_acc = out
+    main = _pool_args(kv, kv_scale, layout)
+    extra = _pool_args(extra_kv, extra_kv_scale, layout) if layout.has_extra else main
+    eidx = extra_idx if layout.has_extra else idx
+    sink_arg = sink if sink is not None else q
+    num_tgroups = triton.cdiv(tokens, cfg.t_block)
+    num_hblocks = triton.cdiv(heads, cfg.h_block)
+    # The Triton 3.6 interpreter multiplies bf16 dot operands as raw 16-bit integers, so on CPU the
+    # dots run in f32 (rows are bf16-exact either way; only P's bf16 rounding is not exercised).
+    f32_dots = q.dtype == torch.float32 or not q.is_cuda
+    fwd = KernelLaunch(
+        _sparse_mla_fwd,
+        (batch * num_tgroups * num_hblocks, cfg.num_splits),
+        (q, *q.stride(),
+         *main, idx, *idx.stride(), idx.shape[2],
+         *extra, eidx, *eidx.stride(), num_extra,
+         sink_arg, out, part_ml, part_acc,
+         tokens, heads, num_hblocks, num_tgroups, cfg.num_splits, tiles_per_split, float(scale) * LOG2E),
+        dict(HEAD_DIM=head_dim, BLOCK_D=block_d, NOPE=layout.nope, FP8=layout.fp8,
+             T_BLOCK=cfg.t_block, H_BLOCK=cfg.h_block, BLOCK_N=cfg.block_n,
+             HAS_EXTRA=layout.has_extra, HAS_SINK=sink is not None, SPLIT=split,
+             KV_DTYPE=tl.float32 if f32_dots else tl.bfloat16, DOT_PRECISION="ieee" if f32_dots else "tf32",
+             BLOCK_K=triton.next_power_of_2(max(idx.shape[2], 1)),
+             E_BLOCK_K=triton.next_power_of_2(max(num_extra, 1)),
+             INTERPRETED=not q.is_cuda, NUM_STAGES=cfg.num_stages,
+             num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+    )
+    if not split:
+        return [fwd]
+    combine = KernelLaunch(
+        _sparse_mla_combine,
+        (batch * tokens * heads,),
+        (part_ml, part_acc, sink_arg, out, heads, cfg.num_splits),
+        dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(cfg.num_splits),
+             HAS_SINK=sink is not None, num_warps=4),
+    )
+    return [fwd, combine]
+
+
+def sparse_mla_triton(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx, sink, scale,
+                      *, out: torch.Tensor | None = None, num_splits: int | None = None,
+                      validate: bool = True, config: LaunchConfig | None = None) -> torch.Tensor:
+    """Launches the Triton kernels (same arguments as `sparse_mla_reference`); returns out.
+
+    out: optional [B,T,H,Dh] contiguous tensor of q's dtype to write (tests pass one poisoned);
+    num_splits: force the split-K factor (None = heuristic); validate=False skips the (sync-free)
+    argument checks when the caller already ran them; config overrides the tile/grid heuristic.
+    """
+    if validate:
+        validate_sparse_mla_inputs(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx, sink, scale)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError(f"out: expected contiguous {q.dtype} {tuple(q.shape)}")
+    for launch in plan_sparse_mla(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx, sink, scale,
+                                  out, num_splits, config):
+        launch.kernel[launch.grid](*launch.args, **launch.meta)
+    return out
+
+
+def _layout_of(q, kv, extra_kv) -> _Layout:
+    head_dim = q.shape[-1]
+    fp8 = kv.dtype == torch.uint8
+    nope = 2 * head_dim - kv.shape[1] if fp8 else head_dim
+    return _Layout(head_dim=head_dim, nope=nope, fp8=fp8, has_extra=extra_kv is not None)
+
+
+# ----------------------------------------------------------------------------- registration
+
+
+@torch.library.custom_op("dsv4::sparse_mla", mutates_args=())
+def sparse_mla(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    kv_scale: torch.Tensor | None,
+    idx: torch.Tensor,
+    extra_kv: torch.Tensor | None,
+    extra_kv_scale: torch.Tensor | None,
+    extra_idx: torch.Tensor | None,
+    sink: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """Sparse MQA attention with sink over one or two pools; see the module docstring.
+
+    q [B,T,H,Dh] bf16/f32 -> out [B,T,H,Dh] in q's dtype. Validates its inputs (ValueError)
+    without any device sync; out-of-range indices are skipped, never read.
+    """
+    validate_sparse_mla_inputs(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx, sink, scale)
+    if triton_runs_on(q):
+        return sparse_mla_triton(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx, sink, scale,
+                                 validate=False)
+    return sparse_mla_reference(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx, sink, scale)
+
+
+@sparse_mla.register_fake
+def _sparse_mla_fake(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx, sink, scale):
+    return q.new_empty(q.shape)

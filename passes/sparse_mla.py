@@ -1,0 +1,434 @@
+"""Rewrite sparse MQA attention with a sink over gathered KV rows to torch.ops.dsv4.sparse_mla.
+
+Hand-written FX matching on inductor's post-grad graph, keyed on the math:
+
+    out[b,t,h] = sum_k P[b,t,h,k] * V[b,t,k,:]                 (anchor: the PV bmm)
+    P = softmax over (L[b,t,h,:], sink[h]) without the sink column
+    L = where(mask[b,t,k], scale * q[b,t,h] . V[b,t,k], -inf)  (the QK bmm reads the same V)
+
+V (== K) is either gathered rows `rows[idx.clamp(min=0)]` of one pool, or a cat of two such
+gathers along K (window + compressed pool): then the op reads the pools directly. Any other V
+(e.g. SGLang's page-layout FP8 gather + dequantisation) is kept as it is, and the op runs over
+the materialised rows with identity indices. The mask must be one per (b, t, k), broadcast over
+heads, and derive from the gather's indices; a mask that is not exactly `idx >= 0` is folded into
+the indices (`where(mask, idx, -1)`), which is exact.
+
+Two normalisation forms are recognised:
+  A. cat([L, sink column], -1), (optional max subtractions), exp, / sum, drop the last column
+     (dsv4_compile.model.hotspots.sparse_attention_with_sink);
+  B. exp(L - logsumexp(stack([logsumexp(L, -1), sink]), 0)), with an optional +inf fix-up of
+     rows that have nothing valid and a zero fix-up of the output there (SGLang 0.5.23's torch
+     sparse-decode fallback).
+Plain softmax without a sink is left alone (its all-masked rows are NaN, the op's are 0).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch.fx import Graph, Node
+
+import dsv4_compile.kernels.sparse_mla  # noqa: F401  (registers torch.ops.dsv4.sparse_mla)
+
+logger = logging.getLogger("dsv4_compile")
+
+PASS_NAME = "sparse_mla"
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+_LAYOUT = {aten.reshape.default, aten.view.default, aten._unsafe_view.default, aten.expand.default,
+           aten.permute.default, aten.transpose.int, aten.unsqueeze.default, aten.squeeze.dim,
+           aten.squeeze.dims, aten.squeeze.default, aten.clone.default, prims.convert_element_type.default,
+           aten.alias.default}
+_LAST = (-1, 3)
+
+
+class _Decline(Exception):
+    """The site is not the attention form; the message is the reason recorded in the report."""
+
+
+def _val(node):
+    return node.meta.get("val") if isinstance(node, Node) else None
+
+
+def _shape(node) -> tuple:
+    val = _val(node)
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else ()
+
+
+def _is_full_slice(node: Node) -> bool:
+    if node.target != aten.slice.Tensor:
+        return False
+    dim, start, end = (list(node.args[1:]) + [0, None, None])[:3]
+    size = _shape(node.args[0])[dim] if _shape(node.args[0]) else None
+    return start in (0, None) and (end is None or end >= 2**62 or end == size)
+
+
+def _strip(node, extra=frozenset()):
+    """Follows layout-only ops (and full slices) back to the producing node."""
+    while isinstance(node, Node) and (node.target in _LAYOUT or node.target in extra or _is_full_slice(node)):
+        node = node.args[0]
+    return node
+
+
+def _layout_source_of_shape(node, shape: tuple):
+    """Walks layout-only ops back from `node` to the first tensor of `shape` (q is often a
+    transposed view: [B, H, T, D] -> [B, T, H, D]); else to the producing node."""
+    while isinstance(node, Node) and _shape(node) != shape and (
+            node.target in _LAYOUT or _is_full_slice(node)):
+        node = node.args[0]
+    return node
+
+
+def _is_full_of(node, value: float) -> bool:
+    if not isinstance(node, Node) or node.target != aten.full.default:
+        return False
+    fill = node.args[1]
+    return fill == value or (math.isnan(value) and math.isnan(fill))
+
+
+def _reduces_last(node: Node, keepdim_required: bool = False) -> bool:
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    dims = [dims] if isinstance(dims, int) else list(dims or [])
+    rank = len(_shape(node.args[0]))
+    return len(dims) == 1 and dims[0] % rank == rank - 1
+
+
+def _ancestors(node: Node, limit: int = 4000) -> set[Node]:
+    seen, todo = set(), [node]
+    while todo and len(seen) < limit:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        todo.extend(n.all_input_nodes)
+    return seen
+
+
+# ----------------------------------------------------------------------------- normalisation
+
+
+def _softmax_with_sink_column(p: Node):
+    """Form A: returns (L, sink) or raises _Decline."""
+    if p.target != aten.slice.Tensor:
+        raise _Decline("probabilities are not a slice of a normalised tensor")
+    dim, start, end = (list(p.args[1:]) + [0, None, None])[:3]
+    norm = p.args[0]
+    rank = len(_shape(norm))
+    width = _shape(norm)[-1] if rank else 0
+    if dim % rank != rank - 1 or start not in (0, None) or end not in (-1, width - 1):
+        raise _Decline("the sliced-off column is not the last one of the key axis")
+    if norm.target != aten.div.Tensor:
+        raise _Decline(f"normalisation by {norm.target}, not exp / sum")
+    num, den = norm.args
+    den = _strip(den)
+    if not (isinstance(num, Node) and num.target == aten.exp.default and isinstance(den, Node)
+            and den.target == aten.sum.dim_IntList and den.args[0] is num):
+        raise _Decline("not exp(x) / sum(exp(x))")
+    if not _reduces_last(den):
+        raise _Decline(f"softmax over dim {den.args[1]}, not the key axis")
+    x = num.args[0]
+    while isinstance(x, Node) and x.target == aten.sub.Tensor:  # subtract row maxima (stabilisers)
+        y, red = x.args
+        red = _strip(red)
+        if isinstance(red, Node) and red.target == operator.getitem:
+            red = red.args[0]
+        if not (isinstance(red, Node) and red.target in (aten.amax.default, aten.max.dim)
+                and red.args[0] is y and _reduces_last(red)):
+            raise _Decline("a subtraction in the softmax that is not a row maximum over the key axis")
+        x = y
+    x = _strip(x)
+    if x.target != aten.cat.default or len(x.args[0]) != 2:
+        raise _Decline("no sink column concatenated to the logits")
+    cat_dim = x.args[1] if len(x.args) > 1 else 0
+    if cat_dim % rank != rank - 1:
+        raise _Decline("the sink is not concatenated along the key axis")
+    logits, sink_col = x.args[0]
+    sink = _strip(sink_col)
+    return _strip(logits, {prims.convert_element_type.default}), sink
+
+
+def _logsumexp(node) -> tuple[Node, list]:
+    """Matches logsumexp(X, dims) (decomposed or not); returns (X, dims) or raises _Decline."""
+    if isinstance(node, Node) and node.target == aten.logsumexp.default:
+        return node.args[0], list(node.args[1])
+    if not (isinstance(node, Node) and node.target == aten.add.Tensor):
+        raise _Decline("not a logsumexp")
+    log, shift = node.args
+    if not (isinstance(log, Node) and log.target == aten.log.default):
+        log, shift = shift, log
+    if not (isinstance(log, Node) and log.target == aten.log.default):
+        raise _Decline("not a logsumexp")
+    total = log.args[0]
+    if total.target != aten.sum.dim_IntList or total.args[0].target != aten.exp.default:
+        raise _Decline("not a logsumexp")
+    diff = total.args[0].args[0]
+    if diff.target != aten.sub.Tensor:
+        raise _Decline("not a logsumexp")
+    x, m = diff.args
+    if _strip(shift) is not m:
+        raise _Decline("logsumexp shift mismatch")
+    if m.target == aten.where.self:  # where(|amax| == inf, 0, amax)
+        m = m.args[2]
+    if m.target != aten.amax.default or m.args[0] is not x:
+        raise _Decline("logsumexp without its row maximum")
+    return x, list(total.args[1])
+
+
+def _exp_minus_logsumexp_with_sink(p: Node):
+    """Form B: returns (L, sink, lse of L or None) or raises _Decline."""
+    if p.target != aten.exp.default or p.args[0].target != aten.sub.Tensor:
+        raise _Decline("probabilities are neither a sliced softmax nor exp(x - lse)")
+    logits, z = p.args[0].args
+    z = _strip(z)
+    lse_all = z
+    if z.target == aten.index_put.default:  # rows with nothing valid get +inf: their weights are 0
+        if not _is_full_of(z.args[2], float("inf")):
+            raise _Decline("a fix-up of the normaliser that is not +inf")
+        lse_all = z.args[0]
+    stacked, dims = _logsumexp(lse_all)
+    rows = _strip(stacked)
+    if rows.target != aten.cat.default or len(rows.args[0]) != 2 or dims not in ([0], [-len(_shape(stacked))]):
+        raise _Decline("the normaliser is not a logsumexp over (lse, sink)")
+    lse_l, sink_b = rows.args[0]
+    x, ldims = _logsumexp(_strip(lse_l))
+    if x is not logits:
+        raise _Decline("the inner logsumexp is over other logits")
+    if len(ldims) != 1 or ldims[0] % len(_shape(x)) != len(_shape(x)) - 1:
+        raise _Decline(f"logsumexp over dims {ldims}, not the key axis")
+    return logits, _strip(sink_b), _strip(lse_l)
+
+
+# ----------------------------------------------------------------------------- match
+
+
+@dataclass
+class _Match:
+    form: str
+    q: Node
+    pools: list  # [(rows, idx)] for direct gathers, or [(materialised V, None)]
+    mask: Node  # bool [B, T, K] over all pools
+    mask_is_valid: bool  # True: the mask marks rows that count; False: rows to skip
+    mask_is_index_mask: bool  # the mask is exactly idx >= 0 of the pools: pass the indices as they are
+    sink: Node
+    scale: float
+    out: Node
+
+
+def _mask(cond: Node, minus_inf_when_true: bool, shape: tuple) -> tuple[Node, bool]:
+    """(mask node of `shape` or broadcastable to it, True if the mask marks valid rows)."""
+    valid = not minus_inf_when_true
+    node = cond
+    while isinstance(node, Node):
+        if node.target == aten.bitwise_not.default:
+            valid = not valid
+        elif node.target not in _LAYOUT or len(_shape(node)) == len(shape):
+            break
+        node = node.args[0]
+    return node, valid
+
+
+def _gathers(v: Node):
+    """[(rows, idx)] when V is rows[idx.clamp(min=0)] or a cat of two along K, else None."""
+    parts = v.args[0] if v.target == aten.cat.default and v.args[1] in (2, -2) else [v]
+    pools = []
+    for part in parts:
+        part = _strip(part)
+        if not (isinstance(part, Node) and part.target == aten.index.Tensor and len(part.args[1]) == 1):
+            return None
+        rows, index = part.args[0], _strip(part.args[1][0])
+        if isinstance(index, Node) and index.target in (aten.clamp_min.default, aten.clamp.default):
+            if index.args[1] != 0:
+                return None
+            index = _strip(index.args[0])
+        if len(_shape(rows)) != 2 or len(_shape(index)) != 3 or _val(index).dtype not in (torch.int32, torch.int64):
+            return None
+        pools.append((rows, index))
+    return pools if len(pools) in (1, 2) else None
+
+
+def _match(pv: Node) -> _Match:
+    p = _strip(pv.args[0])
+    v_side = _strip(pv.args[1])
+    zeroed_by = None
+    if isinstance(v_side, Node) and v_side.target == aten.index_put.default and _is_full_of(v_side.args[2], 0.0):
+        zeroed_by = _strip(v_side.args[1][0]) if len(v_side.args[1]) == 1 else None
+        v_side = _strip(v_side.args[0])
+    if len(_shape(v_side)) != 4:
+        raise _Decline(f"values of rank {len(_shape(v_side))}, not [B, T, K, D]")
+    lse_l = None
+    if p.target == aten.div.Tensor:
+        raise _Decline("a softmax without a sink column")
+    if p.target == aten.slice.Tensor:
+        logits, sink = _softmax_with_sink_column(p)
+        form = "sink-column softmax"
+    else:
+        logits, sink, lse_l = _exp_minus_logsumexp_with_sink(p)
+        form = "exp minus logsumexp with sink"
+    batch, tokens, keys, dim = _shape(v_side)
+    if len(_shape(logits)) != 4 or _shape(logits)[:2] != (batch, tokens) or _shape(logits)[3] != keys:
+        raise _Decline(f"logits {_shape(logits)} do not match values {_shape(v_side)}")
+    heads = _shape(logits)[2]
+    if _shape(sink) != (heads,):
+        raise _Decline(f"sink of shape {_shape(sink)}, not [H={heads}]")
+
+    if logits.target != aten.where.self:
+        raise _Decline("logits are not masked with where(mask, -inf, ...)")
+    cond, a, b = logits.args
+    if _is_full_of(a, float("-inf")):
+        scaled, minus_inf_when_true = b, True
+    elif _is_full_of(b, float("-inf")):
+        scaled, minus_inf_when_true = a, False
+    else:
+        raise _Decline("the mask does not fill with -inf")
+    mask, mask_is_valid = _mask(cond, minus_inf_when_true, (batch, tokens, keys))
+    if len(_shape(mask)) != 3 or any(m not in (1, s) for m, s in zip(_shape(mask), (batch, tokens, keys))):
+        raise _Decline(f"mask of shape {_shape(mask)} is not one per (b, t, k) broadcast over heads")
+    if not isinstance(scaled, Node) or scaled.target != aten.mul.Tensor:
+        raise _Decline("no softmax scale multiplies the logits")
+    scores, scale = scaled.args
+    if not isinstance(scale, (int, float)):
+        scores, scale = scale, scores
+    if not isinstance(scale, (int, float)):
+        raise _Decline("the softmax scale is not a constant")
+    qk = _strip(scores)
+    if not isinstance(qk, Node) or qk.target != aten.bmm.default:
+        raise _Decline("the logits are not a q.k product")
+    q = _layout_source_of_shape(qk.args[0], (batch, tokens, heads, dim))
+    k_side = _strip(qk.args[1])
+    if isinstance(k_side, Node) and k_side.target == aten.index_put.default:
+        k_side = _strip(k_side.args[0])
+    if k_side is not v_side:
+        raise _Decline("keys and values are different tensors (the op needs K == V)")
+    if _shape(q) != (batch, tokens, heads, dim):
+        raise _Decline(f"q of shape {_shape(q)} does not match [B, T, H, D] = {(batch, tokens, heads, dim)}")
+    if zeroed_by is not None and zeroed_by is not mask:
+        raise _Decline("rows are zeroed by a mask other than the attention mask")
+
+    pools = _gathers(v_side)
+    index_inputs = {idx for _, idx in pools} if pools else {n for n in _ancestors(v_side)
+                                                           if _val(n) is not None and not _val(n).is_floating_point()
+                                                           and n.op == "placeholder"}
+    if not index_inputs & _ancestors(mask):
+        raise _Decline("the mask does not derive from the gather's indices")
+    exact = False
+    if pools and mask_is_valid:
+        expected = [n for _, n in pools]
+        parts = mask.args[0] if mask.target == aten.cat.default and len(pools) == 2 else [mask]
+        exact = len(parts) == len(expected) and all(
+            part.target == aten.ge.Scalar and part.args[1] == 0 and _strip(part.args[0]) is idx
+            for part, idx in zip(parts, expected))
+    if pools is None:
+        pools = [(v_side, None)]
+    out = _output_node(pv, (batch, tokens, heads, dim), lse_l)
+    return _Match(form, q, pools, mask, mask_is_valid, exact, sink, float(scale), out)
+
+
+def _output_node(pv: Node, shape: tuple, lse_l: Node | None) -> Node:
+    """The first node after the PV bmm (through layout ops) holding out [B,T,H,D]."""
+    node = pv
+    while _shape(node) != shape:
+        users = list(node.users)
+        if len(users) != 1 or users[0].target not in _LAYOUT:
+            raise _Decline("the attention output is not reshaped back to [B, T, H, D]")
+        node = users[0]
+    users = list(node.users)
+    if lse_l is not None and len(users) == 1 and users[0].target == aten.index_put.default:
+        fix = users[0]  # zero rows with nothing valid: the op already gives 0 there
+        lonely = _strip(fix.args[1][0]) if len(fix.args[1]) == 1 else None
+        if (_is_full_of(fix.args[2], 0.0) and isinstance(lonely, Node) and lonely.target == aten.eq.Scalar
+                and lonely.args[1] == float("-inf") and _strip(lonely.args[0]) is lse_l):
+            node = fix
+    return node
+
+
+# ----------------------------------------------------------------------------- rewrite
+
+
+def _emit(graph: Graph, fake_mode, target, *args, **kwargs) -> Node:
+    node = graph.call_function(target, args, kwargs)
+    fake_args = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
+    with fake_mode:
+        node.meta["val"] = target(*fake_args[0], **fake_args[1])
+    return node
+
+
+def _rewrite(graph: Graph, m: _Match) -> None:
+    q_val = _val(m.q)
+    fake_mode = torch._guards.detect_fake_mode([q_val])
+    batch, tokens, _, dim = q_val.shape
+    with graph.inserting_before(m.out):
+        rows_dtype = _val(m.pools[0][0]).dtype
+        compute = rows_dtype if rows_dtype in (torch.float32, torch.bfloat16) else torch.float32
+        q = m.q if q_val.dtype == compute else _emit(graph, fake_mode, prims.convert_element_type.default, m.q, compute)
+        sink = m.sink if _val(m.sink).dtype == torch.float32 else _emit(
+            graph, fake_mode, prims.convert_element_type.default, m.sink, torch.float32)
+        skip = m.mask
+        if not m.mask_is_index_mask and m.mask_is_valid:
+            skip = _emit(graph, fake_mode, aten.bitwise_not.default, m.mask)
+        pools = []
+        offset = 0
+        for rows, idx in m.pools:
+            if idx is None:  # materialised V: identity indices over its [B*T*K, D] rows
+                keys = _val(rows).shape[2]
+                rows = _emit(graph, fake_mode, aten.reshape.default, rows, [batch * tokens * keys, dim])
+                idx = _emit(graph, fake_mode, prims.iota.default, batch * tokens * keys, start=0, step=1,
+                            dtype=torch.int32, device=q_val.device, requires_grad=False)
+                idx = _emit(graph, fake_mode, aten.reshape.default, idx, [batch, tokens, keys])
+            keys = _val(idx).shape[2]
+            if _val(rows).dtype != compute:
+                rows = _emit(graph, fake_mode, prims.convert_element_type.default, rows, compute)
+            if _val(idx).dtype != torch.int32:
+                idx = _emit(graph, fake_mode, prims.convert_element_type.default, idx, torch.int32)
+            if not m.mask_is_index_mask:  # fold the mask into the indices: exact
+                part = _emit(graph, fake_mode, aten.slice.Tensor, skip, 2, offset, offset + keys)
+                minus_one = _emit(graph, fake_mode, aten.full.default, [], -1, dtype=torch.int32,
+                                  device=q_val.device)
+                idx = _emit(graph, fake_mode, aten.where.self, part, minus_one, idx)
+            offset += keys
+            pools.append((rows, idx))
+        extra_rows, extra_idx = pools[1] if len(pools) == 2 else (None, None)
+        out = _emit(graph, fake_mode, torch.ops.dsv4.sparse_mla.default, q, pools[0][0], None, pools[0][1],
+                    extra_rows, None, extra_idx, sink, m.scale)
+        if _val(m.out).dtype != compute:
+            out = _emit(graph, fake_mode, prims.convert_element_type.default, out, _val(m.out).dtype)
+    m.out.replace_all_uses_with(out)
+
+
+def _candidates(graph: Graph) -> list[Node]:
+    """bmm nodes whose left side is an exp-based probability tensor: attention PV products."""
+    out = []
+    for node in graph.nodes:
+        if node.target != aten.bmm.default:
+            continue
+        p = _strip(node.args[0])
+        if isinstance(p, Node) and p.target == aten.slice.Tensor:
+            p = p.args[0]
+        if isinstance(p, Node) and (p.target == aten.exp.default
+                                    or (p.target == aten.div.Tensor and isinstance(p.args[0], Node)
+                                        and p.args[0].target == aten.exp.default)
+                                    or p.target in (aten._softmax.default, aten.amax.default)):
+            out.append(node)
+    return out
+
+
+def apply(graph: Graph, report) -> int:
+    """Rewrites every matched attention site to dsv4::sparse_mla; records each candidate site."""
+    rewrites = 0
+    for pv in _candidates(graph):
+        try:
+            match = _match(pv)
+        except _Decline as why:
+            report.record(PASS_NAME, pv.name, False, str(why))
+            logger.debug("sparse_mla: declined %s: %s", pv.name, why)
+            continue
+        _rewrite(graph, match)
+        report.record(PASS_NAME, pv.name, True, match.form)
+        rewrites += 1
+    if rewrites:
+        graph.eliminate_dead_code()
+    return rewrites

@@ -1,0 +1,228 @@
+"""The sparse_mla FX pass: the model's gather + attention-with-sink form (window, CSA, HCA; decode
+and verify) and SGLang 0.5.23's torch sparse-decode fallback become torch.ops.dsv4.sparse_mla;
+variants with other math stay.
+
+Tolerances: the model's plain-torch form rounds its logits and probabilities to bf16, the op keeps
+f32 logits and rounds P once (2^-9 relative): outputs (|v| <= ~4) differ by up to ~1e-2, so
+bf16 cases use atol = rtol = 3e-2. f32 cases differ only by summation order: 1e-4.
+"""
+import pytest
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.utils import run_and_get_code
+
+from dsv4_compile.backend import Dsv4Backend
+from dsv4_compile.model.hotspots import gather_rows, sparse_attention_with_sink
+from dsv4_compile.passes import sparse_mla as sparse_mla_pass
+from dsv4_compile.passes.manager import PassConfig
+from dsv4_compile.passes.report import PassReport
+
+PASS = "dsv4_compile.passes.sparse_mla"
+TOL = {torch.bfloat16: dict(atol=3e-2, rtol=3e-2), torch.float32: dict(atol=1e-4, rtol=1e-4)}
+
+
+@pytest.fixture(autouse=True)
+def fresh_compile():
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(force_disable_caches=True):
+        yield
+    torch._dynamo.reset()
+
+
+def compile_with_pass(fn, *args):
+    """(compiled output, generated code, report) with only the sparse_mla pass installed."""
+    report = PassReport()
+    compiled = torch.compile(fn, backend=Dsv4Backend(PassConfig(passes=(PASS,)), report), fullgraph=True)
+    out, code = run_and_get_code(compiled, *args)
+    return out, "\n".join(code), report
+
+
+def window_attention(q, kv, idx, sink):
+    return sparse_attention_with_sink(q, gather_rows(kv, idx), idx >= 0, sink, q.shape[-1] ** -0.5)
+
+
+def two_pool_attention(q, kv, idx, extra_kv, extra_idx, sink):
+    rows = torch.cat([gather_rows(kv, idx), gather_rows(extra_kv, extra_idx)], dim=2)
+    valid = torch.cat([idx >= 0, extra_idx >= 0], dim=2)
+    return sparse_attention_with_sink(q, rows, valid, sink, q.shape[-1] ** -0.5)
+
+
+def model_inputs(layer, tokens, dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    batch, heads, dim, window = 2, 4, 64, 16
+    q = torch.randn(batch, tokens, heads, dim, generator=gen).to(dtype)
+    kv = torch.randn(40, dim, generator=gen).to(dtype)
+    ring = torch.randint(0, 40, (batch, 1, window), generator=gen)
+    # window not yet full for request 1; each verify token sees one more row
+    limit = torch.tensor([[window - tokens], [5]]).view(batch, 1, 1) + torch.arange(tokens).view(1, tokens, 1)
+    idx = torch.where(torch.arange(window).view(1, 1, -1) <= limit, ring, -1).to(torch.int32)
+    sink = torch.randn(heads, generator=gen)
+    if layer == "window":
+        return q, kv, idx, sink
+    extra_kv = torch.randn(30, dim, generator=gen).to(dtype)
+    if layer == "csa":  # per-token top-k, -1 tail
+        extra_idx = torch.randint(0, 30, (batch, tokens, 12), generator=gen)
+        extra_idx[:, :, 9:] = -1
+    else:  # hca: every c128 entry, shared by the tokens, -1 past each token's causal range
+        extra_idx = torch.where(torch.arange(12).view(1, 1, -1) < 8 + torch.arange(tokens).view(1, -1, 1),
+                                torch.arange(12).view(1, 1, -1), -1).expand(batch, tokens, 12)
+    return q, kv, idx, extra_kv, extra_idx.to(torch.int32).contiguous(), sink
+
+
+@pytest.mark.parametrize("tokens", [1, 3], ids=["decode", "verify"])
+@pytest.mark.parametrize("layer", ["window", "csa", "hca"])
+def test_model_form_is_rewritten(layer, tokens):
+    args = model_inputs(layer, tokens)
+    fn = window_attention if layer == "window" else two_pool_attention
+    out, code, report = compile_with_pass(fn, *args)
+    assert report.count("sparse_mla") == 1
+    assert "dsv4.sparse_mla" in code and "bmm" not in code  # both attention bmms are gone
+    torch.testing.assert_close(out, fn(*args), **TOL[torch.bfloat16])
+
+
+def test_model_form_f32_is_exact_up_to_summation_order():
+    args = model_inputs("hca", 2, dtype=torch.float32)
+    out, _, report = compile_with_pass(two_pool_attention, *args)
+    assert report.count("sparse_mla") == 1
+    torch.testing.assert_close(out, two_pool_attention(*args), **TOL[torch.float32])
+
+
+def index_and_causal_mask(q, kv, idx, sink):
+    keys = idx.shape[-1]
+    causal = torch.arange(keys).view(1, 1, keys) < (keys // 2 + torch.arange(idx.shape[1]).view(1, -1, 1))
+    return sparse_attention_with_sink(q, gather_rows(kv, idx), (idx >= 0) & causal, sink, 0.125)
+
+
+def test_a_mask_beyond_idx_ge_0_is_folded_into_the_indices():
+    args = model_inputs("window", 3)
+    out, code, report = compile_with_pass(index_and_causal_mask, *args)
+    assert report.count("sparse_mla") == 1 and "bmm" not in code
+    torch.testing.assert_close(out, index_and_causal_mask(*args), **TOL[torch.bfloat16])
+
+
+# ----------------------------------------------------------------------------- variants that stay
+
+
+def no_sink(q, kv, idx, sink):
+    logits = torch.matmul(q, gather_rows(kv, idx).transpose(-1, -2)) * 0.125
+    logits = logits.masked_fill(~(idx >= 0).unsqueeze(2), float("-inf"))
+    return torch.matmul(torch.softmax(logits, dim=-1).to(kv.dtype), gather_rows(kv, idx))
+
+
+def softmax_over_heads(q, kv, idx, sink):
+    rows = gather_rows(kv, idx)
+    logits = (torch.matmul(q, rows.transpose(-1, -2)) * 0.125).masked_fill(~(idx >= 0).unsqueeze(2), float("-inf"))
+    sinks = sink.view(1, 1, -1, 1).expand(*logits.shape[:3], 1)
+    probs = torch.softmax(torch.cat([logits, sinks], dim=-1), dim=2)[..., :-1]
+    return torch.matmul(probs.to(kv.dtype), rows)
+
+
+def positional_mask(q, kv, idx, sink):
+    keys = idx.shape[-1]
+    causal = torch.arange(keys).view(1, 1, keys) < (keys // 2 + torch.arange(idx.shape[1]).view(1, -1, 1))
+    return sparse_attention_with_sink(q, gather_rows(kv, idx), causal.expand(idx.shape), sink, 0.125)
+
+
+@pytest.mark.parametrize("fn, reason", [
+    (no_sink, "without a sink"),
+    (softmax_over_heads, "softmax over dim"),
+    (positional_mask, "does not derive from the gather's indices"),
+])
+def test_variants_stay_and_the_decline_is_recorded(fn, reason):
+    args = model_inputs("window", 2, dtype=torch.float32)
+    out, code, report = compile_with_pass(fn, *args)
+    assert report.count("sparse_mla") == 0
+    assert "dsv4.sparse_mla" not in code
+    declined = [r for r in report.records if r.pass_name == "sparse_mla" and not r.matched]
+    assert declined and all(reason in r.reason for r in declined), report.records
+    torch.testing.assert_close(out, fn(*args), equal_nan=True, **TOL[torch.float32])
+
+
+# ----------------------------------------------------------------------------- SGLang's fallback
+
+
+@pytest.fixture
+def sglang_sm120():
+    pytest.importorskip("sglang", reason="needs the sglang package (tests/requirements: sglang==0.5.23 --no-deps)")
+    return pytest.importorskip("sglang.kernels.ops.attention.flash_mla_sm120")
+
+
+def sglang_decode(module, q, k_cache, idx, sink, extra_k_cache, extra_idx, extra_len=None):
+    out, _ = module._sm120_sparse_decode_fwd(q, k_cache, idx, None, sink, 512, 0.05, extra_k_cache, extra_idx,
+                                             extra_len)
+    return out
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_sglang_fallback_is_rewritten(sglang_sm120, monkeypatch, tokens):
+    """SGLang's attention math over bf16 rows: its page-layout reader is swapped for a plain row gather."""
+    monkeypatch.setattr(sglang_sm120, "_gather_and_dequant",
+                        lambda cache, safe_idx, page_size: cache.reshape(-1, cache.shape[-1])[safe_idx.long()])
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(1, tokens, 2, 512, generator=gen).to(torch.bfloat16)
+    cache = torch.randn(4, 16, 1, 512, generator=gen).to(torch.bfloat16)
+    extra = torch.randn(2, 32, 1, 512, generator=gen).to(torch.bfloat16)
+    idx = torch.randint(-1, 64, (1, tokens, 16), generator=gen, dtype=torch.int32)
+    extra_idx = torch.randint(-1, 64, (1, tokens, 16), generator=gen, dtype=torch.int32)
+    extra_idx[0, 0] = -1
+    idx[0, 0] = -1  # token 0 has nothing valid: SGLang's "lonely" rows give 0, so does the op
+    extra_len = torch.tensor([11], dtype=torch.int32)  # SGLang's top-k length: a mask beyond idx < 0
+    args = (q, cache, idx, torch.randn(2, generator=gen), extra, extra_idx, extra_len)
+    fn = lambda *a: sglang_decode(sglang_sm120, *a)  # noqa: E731
+    out, code, report = compile_with_pass(fn, *args)
+    assert report.count("sparse_mla") == 1
+    assert "dsv4.sparse_mla" in code and "bmm" not in code
+    torch.testing.assert_close(out, fn(*args), **TOL[torch.bfloat16])
+
+
+class _RunPassAndKeepGraph(CustomGraphPass):
+    def __init__(self, report):
+        self.report, self.graph = report, None
+
+    def __call__(self, graph):
+        sparse_mla_pass.apply(graph, self.report)
+        self.graph = torch.fx.GraphModule(torch.nn.Module(), graph)
+
+    def uuid(self):
+        return b"test_pass_sparse_mla"
+
+
+@pytest.mark.sglang
+def test_sglang_fallback_with_its_fp8_page_layout(sglang_sm120):
+    """The real FP8 page-layout gather + dequantisation stays; the attention over it becomes the op.
+
+    Inductor's CPU C++ codegen has no float8_e8m0fnu (SGLang views the scale bytes as it), so on
+    CPU compilation stops after the post-grad passes; the rewritten post-grad graph is run instead.
+    """
+    gen = torch.Generator().manual_seed(2)
+    page = 64
+    page_bytes = -(-page * 584 // 576) * 576
+    pages = torch.randint(0, 256, (3, page_bytes), generator=gen, dtype=torch.uint8)
+    for p in range(3):  # e4m3 values (no NaN codes) + bf16 rope, then exponents near 2^0
+        data = pages[p, : page * 576].view(page, 576)
+        data[:, :448] = torch.randn(page, 448, generator=gen).to(torch.float8_e4m3fn).view(torch.uint8)
+        data[:, 448:] = torch.randn(page, 64, generator=gen).to(torch.bfloat16).view(torch.uint8)
+        pages[p, page * 576: page * 584] = torch.randint(124, 130, (page * 8,), generator=gen, dtype=torch.uint8)
+    cache = pages.as_strided((3, page, 1, 576), (page_bytes, 576, 576, 1)).view(torch.float8_e4m3fn)
+    q = torch.randn(1, 2, 2, 512, generator=gen).to(torch.bfloat16)
+    idx = torch.randint(-1, 3 * page, (1, 2, 8), generator=gen, dtype=torch.int32)
+    extra_idx = torch.randint(-1, 3 * page, (1, 2, 16), generator=gen, dtype=torch.int32)
+    args = (q, cache, idx, torch.randn(2, generator=gen), cache, extra_idx)
+    fn = lambda *a: sglang_decode(sglang_sm120, *a)  # noqa: E731
+    report = PassReport()
+    keeper = _RunPassAndKeepGraph(report)
+    compiled = torch.compile(fn, backend="inductor", options={"post_grad_custom_post_pass": keeper})
+    try:
+        compiled(*args)
+    except torch._inductor.exc.InductorError as err:
+        assert "float8_e8m0fnu" in str(err)
+    assert report.count("sparse_mla") == 1
+    assert any(n.target == torch.ops.dsv4.sparse_mla.default for n in keeper.graph.graph.nodes)
+    assert not any(n.target == torch.ops.aten.bmm.default for n in keeper.graph.graph.nodes)
+    # dynamo dedups the repeated cache and orders inputs itself: map them back by shape and dtype
+    inputs = {(tuple(a.shape), a.dtype): a for a in args}
+    graph_args = [inputs[(tuple(n.meta["val"].shape), n.meta["val"].dtype)]
+                  for n in keeper.graph.graph.nodes if n.op == "placeholder"]
+    (got,) = keeper.graph(*graph_args)
+    torch.testing.assert_close(got, fn(*args), **TOL[torch.bfloat16])
