@@ -1,10 +1,13 @@
 """The dsv4 torch.compile backend: inductor with one post-grad CustomGraphPass."""
+import hashlib
+import json
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from dsv4_compile.passes.manager import Dsv4PostGradPass, PassConfig, install_lowerings
-from dsv4_compile.passes.report import PassReport
+from dsv4_compile.passes.report import PassReport, records_from_json, records_to_json
 
 
 def _graph_label(example_inputs: list[Any]) -> str:
@@ -14,6 +17,17 @@ def _graph_label(example_inputs: list[Any]) -> str:
             tokens = value.shape[1]
             return f"T={tokens}" if isinstance(tokens, int) else "T=dynamic"
     return ""
+
+
+def _records_path(gm: torch.fx.GraphModule, example_inputs: list[Any], uuid: bytes) -> Path:
+    """Where the pass records of this graph are kept, so that an FX-cache hit (on which the
+    passes do not run) still reports what they did when the cached code was made."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    signature = [(tuple(v.shape), str(v.dtype), v.device.type) if isinstance(v, torch.Tensor) else repr(v)
+                 for v in example_inputs]
+    key = hashlib.sha256(gm.code.encode() + repr(signature).encode() + uuid).hexdigest()
+    return Path(cache_dir()) / "dsv4_reports" / f"{key}.json"
 
 
 class Dsv4Backend:
@@ -39,10 +53,19 @@ class Dsv4Backend:
         patches.update(options or {})
         if self.cudagraphs is not None:
             patches["triton.cudagraphs"] = self.cudagraphs
-        patches["post_grad_custom_post_pass"] = Dsv4PostGradPass(
-            self.config, self.report, _graph_label(example_inputs))
+        post_grad = Dsv4PostGradPass(self.config, self.report, _graph_label(example_inputs))
+        patches["post_grad_custom_post_pass"] = post_grad
         install_lowerings()
-        return compile_fx(gm, example_inputs, config_patches=patches)
+        before = len(self.report.records)
+        compiled = compile_fx(gm, example_inputs, config_patches=patches)
+        path = _records_path(gm, example_inputs, post_grad.uuid())
+        fresh = self.report.records[before:]
+        if fresh:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(records_to_json(fresh)))
+        elif path.exists():
+            self.report.extend(records_from_json(json.loads(path.read_text())))
+        return compiled
 
 
 backend = Dsv4Backend()

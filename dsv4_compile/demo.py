@@ -5,6 +5,7 @@ import time
 import torch
 
 from .engine import optimize
+from .model.fp4_experts import quantize_experts_
 from .tiny import FAST_COMPILE_OVERRIDES, tiny_model
 
 log = logging.getLogger("dsv4_compile")
@@ -46,3 +47,21 @@ def run_demo(new_tokens: int = 32, device: str | None = None) -> bool:
              1e3 * eager_step, 1e3 * compiled_step)
     log.info("pass report:\n%s", engine.report.format())
     return match
+
+
+def run_report(experts: str = "mxfp4", device: str | None = None) -> bool:
+    """Compiles the tiny model's decode (T=1) and verify (T=4) graphs and logs every expected
+    dsv4 site per layer and graph; returns whether all of them matched."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = tiny_model(seed=0, device=device, **FAST_COMPILE_OVERRIDES)
+    if experts != "bf16":
+        quantize_experts_(model, experts)
+    engine = optimize(model, max_batch=1, max_context=256, verify_tokens=3)
+    log.info("compiling the decode and verify graphs of the tiny model (%s experts) on %s", experts, device)
+    engine.generate([[1, 2, 3, 1, 2]], 2)
+    engine.generate([[1, 2, 3, 1, 2]], 4, draft="ngram")
+    rows = engine.site_status()
+    for row in rows:
+        verdict = "matched" if row.matched else f"NOT matched: {row.reason}"
+        log.info("%-5s layer %d  %-10s  %s", row.graph, row.layer, row.pass_name, verdict)
+    return all(row.matched for row in rows)

@@ -7,11 +7,13 @@ from torch import nn
 
 from .backend import Dsv4Backend
 from .drafting import Drafter, make_drafter
+from .model.attention import CSA
+from .model.fp4_experts import is_fp4
 from .model.layout import INDEX_PAGE_SLOTS, StepLayout
 from .model.step import DeepseekV4Step
-from .passes.manager import PassConfig
-from .passes.report import PassReport
-from .validation import check_int, check_prompts
+from .passes.manager import PASS_MODULES, PassConfig
+from .passes.report import PassReport, SiteStatus
+from .validation import check_int, check_prompts, check_step_inputs
 
 log = logging.getLogger("dsv4_compile")
 
@@ -29,13 +31,15 @@ def batch_bucket(batch: int, max_batch: int) -> int:
 class Engine:
     """A static-cache serving engine around one transformers DeepseekV4ForCausalLM.
 
-    `step(input_ids [B, T] int64, start_pos [B] int64, rows [B] int64) -> logits [B, T, V]` is
-    the compiled step (decode and verify); `module` is the same step uncompiled, which also runs
-    the prefill chunks. `generate` drives both. `report` lists what the dsv4 passes matched.
+    `step(input_ids [B, T] int64, start_pos [B] int64, rows [B] int64) -> logits [B, T, V]` runs
+    the compiled step (decode and verify) with its inputs checked; `compiled_step` is the same
+    without checks, `module` the same uncompiled (it also runs the prefill chunks). `generate`
+    drives them. `report` lists what the dsv4 passes matched.
     """
 
     def __init__(self, model: nn.Module, *, max_batch: int, max_context: int, verify_tokens: int,
-                 strict: bool, compile: bool = True, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> None:
+                 strict: bool, compile: bool = True, passes: tuple[str, ...] | None = None,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> None:
         config = model.config
         self.model = model
         self.verify_tokens = verify_tokens
@@ -51,9 +55,53 @@ class Engine:
             hca_rate=config.compress_rates["heavily_compressed_attention"])
         self.module = DeepseekV4Step(model, self.layout)
         self.report = PassReport()
-        self.backend = Dsv4Backend(PassConfig(), self.report, cudagraphs=self.device.type == "cuda")
-        self.step = (torch.compile(self.module, backend=self.backend, fullgraph=True, dynamic=False)
-                     if compile else self.module)
+        self.config = PassConfig() if passes is None else PassConfig(passes=passes)
+        self.backend = Dsv4Backend(self.config, self.report, cudagraphs=self.device.type == "cuda")
+        self._checked_graphs: set[str] = set()
+        self.compiled_step = (torch.compile(self.module, backend=self.backend, fullgraph=True, dynamic=False)
+                              if compile else self.module)
+
+    @torch.no_grad()
+    def step(self, input_ids: torch.Tensor, start_pos: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The compiled step with its inputs checked (one host sync); the logits [B, T, V] are a
+        copy, so they outlive the next CUDA-graph replay."""
+        layout = self.layout
+        check_step_inputs(input_ids, start_pos, rows, max_batch=layout.max_batch, step_tokens=layout.step_tokens,
+                          max_context=layout.max_context, vocab_size=self.vocab_size, device=self.device)
+        if self.device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()
+        logits = self.compiled_step(input_ids, start_pos, rows).clone()
+        self._check_sites()
+        return logits
+
+    def expected_sites(self) -> list[tuple[str, int]]:
+        """(pass, layer) sites every compiled graph should have: sparse MLA in each layer, the
+        indexer in each CSA layer, the FP4 MoE in each layer whose experts are FP4."""
+        enabled = {name.rsplit(".", 1)[-1] for name in self.config.passes}
+        sites = []
+        for i, layer in enumerate(self.model.model.layers):
+            wanted = [("sparse_mla", True), ("indexer", layer.self_attn.layer_type == CSA),
+                      ("fp4_moe", is_fp4(layer.mlp.experts))]
+            sites += [(name, i) for name, applies in wanted if applies and name in enabled]
+        return sites
+
+    def site_status(self) -> list[SiteStatus]:
+        """Every expected site of every compiled graph: matched, or why not."""
+        expected = self.expected_sites()
+        return [row for graph in self.report.graphs() for row in self.report.status(expected, graph)]
+
+    def _check_sites(self) -> None:
+        """After a compile: raise (strict) or warn once per expected site left unmatched."""
+        for graph in self.report.graphs():
+            if graph in self._checked_graphs:
+                continue
+            self._checked_graphs.add(graph)
+            missed = [r for r in self.report.status(self.expected_sites(), graph) if not r.matched]
+            if missed and self.strict:
+                lines = "; ".join(f"{r.pass_name} at layer {r.layer}: {r.reason}" for r in missed)
+                raise RuntimeError(f"strict=True: {len(missed)} expected dsv4 site(s) unmatched in graph {graph}: {lines}")
+            for r in missed:
+                log.warning("dsv4: %s not applied at layer %d in graph %s: %s", r.pass_name, r.layer, graph, r.reason)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, *,
@@ -101,11 +149,14 @@ class Engine:
         start = torch.tensor(start_pos + [0] * pad, dtype=torch.int64, device=self.device)
         row_ids = torch.tensor(rows + [self.layout.scratch_row] * pad, dtype=torch.int64, device=self.device)
         if step is None:
-            step = self.step
+            step = self.compiled_step
             if self.device.type == "cuda":
                 torch.compiler.cudagraph_mark_step_begin()
         logits = step(ids, start, row_ids)
-        return logits[:batch].argmax(dim=-1).cpu()
+        argmax = logits[:batch].argmax(dim=-1).cpu()
+        if step is self.compiled_step:
+            self._check_sites()
+        return argmax
 
     def _prefill(self, row: int, prompt: list[int]) -> int:
         """Feeds one prompt into cache row `row` in chunks; returns its first greedy token."""
@@ -144,12 +195,13 @@ class Engine:
 
 
 def optimize(model: nn.Module, *, max_batch: int = 8, max_context: int = 4096, verify_tokens: int = 0,
-             strict: bool = False, compile: bool = True) -> Engine:
+             strict: bool = False, compile: bool = True, passes: tuple[str, ...] | None = None) -> Engine:
     """Builds a compiled static-cache engine for a transformers DeepseekV4ForCausalLM.
 
     max_context must be a multiple of 4 * 64 (the indexer's key pages) and of the HCA rate.
     verify_tokens is the most draft tokens one verify step checks (0: no speculative decoding).
     compile=False runs the same step eagerly (the reference the compiled step is tested against).
+    passes: the dsv4 pass modules to apply (default: all, `PASS_MODULES`); () compiles plain inductor.
     """
     from transformers import DeepseekV4ForCausalLM
 
@@ -169,5 +221,8 @@ def optimize(model: nn.Module, *, max_batch: int = 8, max_context: int = 4096, v
             raise ValueError(f"max_context must be a multiple of {name} ({multiple}); got {max_context}")
     if config.hidden_act != "silu":
         raise ValueError(f"config.hidden_act must be 'silu'; got {config.hidden_act!r}")
+    known = set(PASS_MODULES)
+    if passes is not None and not set(passes) <= known:
+        raise ValueError(f"passes must be a subset of {sorted(known)}; got {sorted(set(passes) - known)}")
     return Engine(model, max_batch=max_batch, max_context=max_context, verify_tokens=verify_tokens,
-                  strict=strict, compile=compile)
+                  strict=strict, compile=compile, passes=passes)

@@ -24,3 +24,39 @@ def check_prompts(prompts: object, max_batch: int, vocab_size: int) -> None:
                 raise TypeError(f"prompts[{i}] holds a {type(token).__name__}; token ids must be ints")
             if not 0 <= token < vocab_size:
                 raise ValueError(f"prompts[{i}] holds token id {token}; ids must be in [0, {vocab_size})")
+
+
+def check_step_inputs(input_ids: object, start_pos: object, rows: object, *, max_batch: int,
+                      step_tokens: int, max_context: int, vocab_size: int, device) -> None:
+    """Checks a direct call of Engine.step: input_ids [B, T], start_pos [B], rows [B], all int64
+    on the engine's device, 1 <= B <= max_batch, 1 <= T <= step_tokens, ids in [0, vocab_size),
+    start_pos >= 0 with start_pos + T <= max_context, rows in [0, max_batch] (max_batch is the
+    scratch row). Reading the values costs one host sync."""
+    import torch
+
+    named = (("input_ids", input_ids), ("start_pos", start_pos), ("rows", rows))
+    for name, value in named:
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(value).__name__}")
+        if value.dtype != torch.int64:
+            raise TypeError(f"{name} must be torch.int64; got {value.dtype}")
+        if value.device != torch.device(device):
+            raise ValueError(f"{name} must be on the engine's device {device}; got {value.device}")
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [B, T]; got shape {tuple(input_ids.shape)}")
+    batch, tokens = input_ids.shape
+    check_int("batch (input_ids.shape[0])", batch, 1, max_batch)
+    check_int("tokens per step (input_ids.shape[1])", tokens, 1, step_tokens)
+    for name, value in named[1:]:
+        if tuple(value.shape) != (batch,):
+            raise ValueError(f"{name} must be [B={batch}]; got shape {tuple(value.shape)}")
+    low_id, high_id, low_pos, high_pos, low_row, high_row = torch.stack([
+        input_ids.min(), input_ids.max(), start_pos.min(), start_pos.max(), rows.min(), rows.max()]).tolist()
+    if low_id < 0 or high_id >= vocab_size:
+        raise ValueError(f"input_ids must be in [0, {vocab_size}); got values in [{low_id}, {high_id}]")
+    if low_pos < 0 or high_pos + tokens > max_context:
+        raise ValueError(f"start_pos + T must be in [T, max_context={max_context}]; got start_pos in "
+                         f"[{low_pos}, {high_pos}] with T={tokens}")
+    if low_row < 0 or high_row > max_batch:
+        raise ValueError(f"rows must be in [0, {max_batch}] ({max_batch} is the scratch row); "
+                         f"got values in [{low_row}, {high_row}]")

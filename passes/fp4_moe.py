@@ -221,7 +221,7 @@ def apply(graph: Graph, report) -> int:
             m = _match(anchor)
         except _Decline as why:
             if _is_candidate(anchor):
-                report.record(PASS_NAME, anchor.name, False, str(why))
+                report.record(PASS_NAME, anchor, False, str(why))
             continue
         with graph.inserting_before(anchor):
             ids = m["ids"]
@@ -239,7 +239,7 @@ def apply(graph: Graph, report) -> int:
             )
             new.meta["val"] = anchor.meta["val"]
         anchor.replace_all_uses_with(new)
-        report.record(PASS_NAME, anchor.name, True, f"{m['fmt']} limit={m['limit']}")
+        report.record(PASS_NAME, anchor, True, f"{m['fmt']} limit={m['limit']}")
         rewrites += 1
     if rewrites:
         graph.eliminate_dead_code()

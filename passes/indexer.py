@@ -298,16 +298,16 @@ def apply(graph: Graph, report) -> int:
     """Rewrite every full-context indexer top-k in `graph`; returns the number rewritten."""
     rewrites = 0
     for node in list(graph.nodes):
-        if not _is(node, aten.topk.default):
-            continue
+        if not _is(node, aten.topk.default) or node.args[0].meta["val"].dim() != 3:
+            continue  # not a [B, T, S] top-k (e.g. an MoE router's): not a candidate
         try:
             match = _Match(node)
         except _Decline as why:
-            report.record(PASS_NAME, node.name, False, str(why))
+            report.record(PASS_NAME, node, False, str(why))
             logger.debug("indexer pass declined %s: %s", node.name, why)
             continue
         _rewrite(graph, match)
-        report.record(PASS_NAME, node.name, True)
+        report.record(PASS_NAME, node, True)
         rewrites += 1
     if rewrites:
         graph.eliminate_dead_code()

@@ -1,6 +1,13 @@
-"""The pass report: every site a pass considered, and whether it was rewritten."""
+"""The pass report: every site a pass considered, whether it was rewritten, and which expected
+sites of a model stayed unmatched."""
+import dataclasses
 import itertools
+import re
 from dataclasses import dataclass, field
+
+import torch
+
+_LAYER = re.compile(r"(?:layers|attention|routed)\.(\d+)")
 
 
 @dataclass(frozen=True)
@@ -12,18 +19,71 @@ class SiteRecord:
     matched: bool
     reason: str = ""
     graph: str = ""
+    layer: int | None = None
+
+
+@dataclass(frozen=True)
+class SiteStatus:
+    """An expected site (pass, layer) of one graph, and what happened to it."""
+
+    graph: str
+    pass_name: str
+    layer: int
+    matched: bool
+    reason: str
+
+
+def site_layer(node: torch.fx.Node) -> int | None:
+    """The model layer a post-grad node came from, read from its nn_module_stack."""
+    stack = node.meta.get("nn_module_stack") or {}
+    for path, _ in reversed(list(stack.values())):
+        found = _LAYER.search(str(path))
+        if found:
+            return int(found.group(1))
+    return None
 
 
 @dataclass
 class PassReport:
-    """Collects SiteRecords; `graph` labels the graph being compiled (e.g. "decode T=1")."""
+    """Collects SiteRecords; `graph` labels the graph being compiled (e.g. "T=1")."""
 
     records: list[SiteRecord] = field(default_factory=list)
     graph: str = ""
 
-    def record(self, pass_name: str, site: str, matched: bool, reason: str = "") -> None:
-        """Add one site for the graph being compiled."""
-        self.records.append(SiteRecord(pass_name, site, matched, reason, self.graph))
+    def record(self, pass_name: str, site: "str | torch.fx.Node", matched: bool, reason: str = "") -> None:
+        """Add one site (a node, or a name) for the graph being compiled."""
+        if isinstance(site, torch.fx.Node):
+            layer = site_layer(site)
+            name = site.name if layer is None else f"layer {layer} ({site.name})"
+        else:
+            layer, name = None, site
+        self.records.append(SiteRecord(pass_name, name, matched, reason, self.graph, layer))
+
+    def extend(self, records: list[SiteRecord]) -> None:
+        self.records.extend(records)
+
+    def count(self, pass_name: str, graph: str | None = None) -> int:
+        """Number of rewritten sites of `pass_name` (in `graph` if given)."""
+        return sum(
+            r.matched and r.pass_name == pass_name and (graph is None or r.graph == graph)
+            for r in self.records
+        )
+
+    def graphs(self) -> list[str]:
+        """The labels of the graphs that have records, in order."""
+        return list(dict.fromkeys(r.graph for r in self.records))
+
+    def status(self, expected: list[tuple[str, int]], graph: str) -> list[SiteStatus]:
+        """For each expected (pass, layer) site of `graph`: matched, or the pass's own reason."""
+        rows = []
+        for pass_name, layer in expected:
+            mine = [r for r in self.records if r.graph == graph and r.pass_name == pass_name and r.layer == layer]
+            if any(r.matched for r in mine):
+                rows.append(SiteStatus(graph, pass_name, layer, True, ""))
+            else:
+                reasons = sorted({r.reason for r in mine}) or ["the pass found no candidate at this layer"]
+                rows.append(SiteStatus(graph, pass_name, layer, False, "; ".join(reasons)))
+        return rows
 
     def format(self) -> str:
         """One line per site: graph, pass, site, matched or the reason it was not."""
@@ -33,12 +93,13 @@ class PassReport:
             f"{r.graph or '-'}  {r.pass_name}  {r.site}  " + ("matched" if r.matched else f"NOT matched: {r.reason}")
             for r in self.records)
 
-    def count(self, pass_name: str, graph: str | None = None) -> int:
-        """Number of rewritten sites of `pass_name` (in `graph` if given)."""
-        return sum(
-            r.matched and r.pass_name == pass_name and (graph is None or r.graph == graph)
-            for r in self.records
-        )
+
+def records_to_json(records: list[SiteRecord]) -> list[dict]:
+    return [dataclasses.asdict(r) for r in records]
+
+
+def records_from_json(rows: list[dict]) -> list[SiteRecord]:
+    return [SiteRecord(**row) for row in rows]
 
 
 # Inductor may copy the post-grad pass object (config patches are copied), so the pass refers to

@@ -117,7 +117,7 @@ def _softmax_with_sink_column(p: Node):
     if p.target != aten.slice.Tensor:
         raise _Decline("probabilities are not a slice of a normalised tensor")
     dim, start, end = (list(p.args[1:]) + [0, None, None])[:3]
-    norm = p.args[0]
+    norm = _strip(p.args[0])  # a low-precision softmax is computed in f32 and cast back
     rank = len(_shape(norm))
     width = _shape(norm)[-1] if rank else 0
     if dim % rank != rank - 1 or start not in (0, None) or end not in (-1, width - 1):
@@ -131,7 +131,7 @@ def _softmax_with_sink_column(p: Node):
         raise _Decline("not exp(x) / sum(exp(x))")
     if not _reduces_last(den):
         raise _Decline(f"softmax over dim {den.args[1]}, not the key axis")
-    x = num.args[0]
+    x = _strip(num.args[0])
     while isinstance(x, Node) and x.target == aten.sub.Tensor:  # subtract row maxima (stabilisers)
         y, red = x.args
         red = _strip(red)
@@ -140,8 +140,7 @@ def _softmax_with_sink_column(p: Node):
         if not (isinstance(red, Node) and red.target in (aten.amax.default, aten.max.dim)
                 and red.args[0] is y and _reduces_last(red)):
             raise _Decline("a subtraction in the softmax that is not a row maximum over the key axis")
-        x = y
-    x = _strip(x)
+        x = _strip(y)
     if x.target != aten.cat.default or len(x.args[0]) != 2:
         raise _Decline("no sink column concatenated to the logits")
     cat_dim = x.args[1] if len(x.args) > 1 else 0
@@ -407,7 +406,7 @@ def _candidates(graph: Graph) -> list[Node]:
             continue
         p = _strip(node.args[0])
         if isinstance(p, Node) and p.target == aten.slice.Tensor:
-            p = p.args[0]
+            p = _strip(p.args[0])
         if isinstance(p, Node) and (p.target == aten.exp.default
                                     or (p.target == aten.div.Tensor and isinstance(p.args[0], Node)
                                         and p.args[0].target == aten.exp.default)
@@ -423,11 +422,11 @@ def apply(graph: Graph, report) -> int:
         try:
             match = _match(pv)
         except _Decline as why:
-            report.record(PASS_NAME, pv.name, False, str(why))
+            report.record(PASS_NAME, pv, False, str(why))
             logger.debug("sparse_mla: declined %s: %s", pv.name, why)
             continue
         _rewrite(graph, match)
-        report.record(PASS_NAME, pv.name, True, match.form)
+        report.record(PASS_NAME, pv, True, match.form)
         rewrites += 1
     if rewrites:
         graph.eliminate_dead_code()

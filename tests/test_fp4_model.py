@@ -7,7 +7,7 @@ from dsv4_compile.model.fp4_experts import Fp4Experts, quantize_experts_
 from dsv4_compile.tiny import tiny_model
 from helpers import make_prompts, transformers_greedy
 
-NEW_TOKENS = 24
+NEW_TOKENS = 12
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])

@@ -31,8 +31,8 @@ def test_greedy_tokens_match_transformers(model, lengths):
 
 def test_decode_logits_match_transformers(model):
     engine = dsv4_compile.optimize(model, max_batch=4, max_context=256, compile=False)
-    recorder = StepRecorder(engine.step)
-    engine.step = recorder
+    recorder = StepRecorder(engine.compiled_step)
+    engine.compiled_step = recorder
     prompts = make_prompts(LENGTHS, model.config.vocab_size, seed=7)
     new = engine.generate(prompts, 12)
     references = [transformers_logits(model, p + n[:-1]) for p, n in zip(prompts, new)]

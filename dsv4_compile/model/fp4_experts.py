@@ -1,6 +1,4 @@
 """Routed experts in FP4 (MXFP4 or NVFP4) and how the step reads any expert storage."""
-from typing import Callable
-
 import torch
 from torch import nn
 
@@ -10,7 +8,6 @@ from dsv4_compile.fp4 import (dequantize_mxfp4, dequantize_nvfp4, experts_from_t
 from .hotspots import moe_experts_fp4, moe_experts_gathered
 
 FP4_FORMATS = ("mxfp4", "nvfp4")
-RoutedExperts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class Fp4Experts(nn.Module):
@@ -65,19 +62,34 @@ def quantize_experts_(model: nn.Module, fmt: str) -> None:
         layer.mlp.experts = Fp4Experts.quantize(layer.mlp.experts, fmt).to(layer.mlp.experts.gate_up_proj.device)
 
 
-def routed_experts(experts: nn.Module) -> RoutedExperts:
+def is_fp4(experts: nn.Module) -> bool:
+    """Whether a routed-experts module holds FP4 weights (Fp4Experts or transformers' FP8Experts
+    with int8-packed FP4)."""
+    return isinstance(experts, Fp4Experts) or experts.gate_up_proj.dtype in (torch.int8, torch.uint8)
+
+
+class RoutedExperts(nn.Module):
     """The plain-torch routed-experts form for any expert storage:
-    (x [M, K], topk_ids [M, k], topk_weights [M, k]) -> [M, K].
+    forward(x [M, K], topk_ids [M, k], topk_weights [M, k]) -> [M, K].
 
     Dense transformers experts, Fp4Experts, and transformers' FP8Experts holding FP4 weights
-    (read as MXFP4 views, no copies) are understood.
+    (read as MXFP4 views, no copies) are understood. A module (not a function) so that the
+    compiled graph's nodes know which layer they belong to.
     """
-    if isinstance(experts, Fp4Experts):
-        return experts.forward
-    if experts.gate_up_proj.dtype in (torch.int8, torch.uint8):
-        ops = experts_from_transformers(experts)
-        return lambda x, ids, weights: moe_experts_fp4(
-            x, ids, weights, ops["w13"], ops["w13_scale"], ops["w2"], ops["w2_scale"], ops["fmt"],
-            ops["w13_global"], ops["w2_global"], ops["swiglu_limit"])
-    return lambda x, ids, weights: moe_experts_gathered(
-        x, ids, weights, experts.gate_up_proj, experts.down_proj, experts.limit)
+
+    def __init__(self, experts: nn.Module) -> None:
+        super().__init__()
+        self.experts = experts
+        self.fp4_views = (experts_from_transformers(experts)
+                          if is_fp4(experts) and not isinstance(experts, Fp4Experts) else None)
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        experts = self.experts
+        if isinstance(experts, Fp4Experts):
+            return experts(x, topk_ids, topk_weights)
+        if self.fp4_views is not None:
+            v = self.fp4_views
+            return moe_experts_fp4(x, topk_ids, topk_weights, v["w13"], v["w13_scale"], v["w2"], v["w2_scale"],
+                                   v["fmt"], v["w13_global"], v["w2_global"], v["swiglu_limit"])
+        return moe_experts_gathered(x, topk_ids, topk_weights, experts.gate_up_proj, experts.down_proj,
+                                    experts.limit)

@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 from .attention import StaticAttention
-from .fp4_experts import RoutedExperts, routed_experts
+from .fp4_experts import RoutedExperts
 from .layout import StepLayout
 
 
@@ -37,7 +37,7 @@ class DeepseekV4Step(nn.Module):
         self.register_buffer("page_table", table, persistent=False)
         self.attention = nn.ModuleList(
             StaticAttention(layer.self_attn, layout, pages) for layer in inner.layers)
-        self.experts = [routed_experts(layer.mlp.experts) for layer in inner.layers]
+        self.routed = nn.ModuleList(RoutedExperts(layer.mlp.experts) for layer in inner.layers)
 
     def live_state(self, row: int, length: int) -> dict[str, torch.Tensor]:
         """Every cache entry a later step of cache row `row` can read once `length` tokens are
@@ -57,7 +57,7 @@ class DeepseekV4Step(nn.Module):
         hidden = embeds.unsqueeze(2).expand(-1, -1, config.hc_mult, -1).contiguous()
         rope = {kind: inner.rotary_emb(embeds, position_ids=positions, layer_type=kind)
                 for kind in ("main", "compress")}
-        for layer, attention, experts in zip(inner.layers, self.attention, self.experts):
+        for layer, attention, experts in zip(inner.layers, self.attention, self.routed):
             dtype = hidden.dtype
             post, comb, collapsed = layer.attn_hc(hidden)
             kind = "main" if attention.layer_type == "sliding_attention" else "compress"

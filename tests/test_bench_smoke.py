@@ -1,0 +1,55 @@
+"""`python -m bench --smoke`: the end-to-end bench's harness on CPU with the tiny model.
+
+Three compiled graphs (torch.compile default at T=1, optimize() at T=1 and T=4, B=2), eager at
+B=1 and B=2, contexts 8 and 40. It checks what the harness itself decides: every planned case
+ran, the three variants agree and every logit is finite, B=1 equals row 0 of B=2, and the
+reports are written. Timings on CPU are not measurements and are not asserted.
+"""
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _bench_main():
+    sys.path.insert(0, str(ROOT))
+    try:
+        from bench.__main__ import main
+    finally:
+        if str(ROOT) in sys.path:
+            sys.path.remove(str(ROOT))
+    return main
+
+
+def test_smoke_mode_runs_every_case_and_the_variants_agree(tmp_path):
+    main = _bench_main()
+    assert main(["--smoke", "--out", str(tmp_path)]) == 0
+
+    results = json.loads((tmp_path / "e2e.json").read_text())
+    assert (tmp_path / "e2e.md").read_text().startswith("# End-to-end DeepSeek-V4 step (smoke)")
+    cases = results["cases"]
+    planned = {(b, t, ctx) for b, t, _ in results["meta"]["groups"] for ctx in results["meta"]["contexts"]}
+    assert {(c["B"], c["T"], c["ctx"]) for c in cases} == planned == {
+        (b, t, ctx) for b in (1, 2) for t in (1, 4) for ctx in (8, 40)}
+    assert not [c for c in cases if "skipped" in c]
+    for case in cases:
+        assert case["correct"], case
+        assert all(check["finite"] for check in case["check"].values())
+        assert set(case["us"]) == set(case["check"])
+    ran = {(c["B"], c["T"]): set(c["check"]) for c in cases}
+    assert ran[(2, 1)] == {"eager", "compile_default", "optimize"}
+    assert ran[(2, 4)] == {"eager", "optimize"}
+    assert ran[(1, 1)] == ran[(1, 4)] == {"eager"}
+    for case in cases:
+        if case["B"] == 1:
+            assert case["batch_consistency"]["ok"], case  # row 0 of B=2, same inputs and state
+        for variant, check in case["check"].items():
+            if variant != "eager":
+                assert check["against"] == "eager" and check["max_err"] <= results["tolerance"]["per_token_rel_l2"]
+    optimize_graphs = [c for c in results["compile"] if c["variant"] == "optimize"]
+    assert [c["T"] for c in optimize_graphs] == [1, 4]
+    for graph in optimize_graphs:
+        assert graph["status"] == "ok"
+        assert graph["pass_matches"] == {"indexer": 2, "sparse_mla": 4, "fp4_moe": 4}
+    assert all(c["breakdown"]["optimize"]["kernels"] for c in cases if c["B"] == 2)
