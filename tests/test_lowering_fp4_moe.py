@@ -29,12 +29,7 @@ MODULE = "dsv4_compile.lowerings.fp4_moe"
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
-@pytest.fixture(autouse=True)
-def fresh_compile():
-    torch._dynamo.reset()
-    with torch._inductor.config.patch(force_disable_caches=True):
-        yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_compile")
 
 
 @pytest.fixture(autouse=True)

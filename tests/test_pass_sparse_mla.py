@@ -21,12 +21,7 @@ PASS = "dsv4_compile.passes.sparse_mla"
 TOL = {torch.bfloat16: dict(atol=3e-2, rtol=3e-2), torch.float32: dict(atol=1e-4, rtol=1e-4)}
 
 
-@pytest.fixture(autouse=True)
-def fresh_compile():
-    torch._dynamo.reset()
-    with torch._inductor.config.patch(force_disable_caches=True):
-        yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_compile")
 
 
 def compile_with_pass(fn, *args):
