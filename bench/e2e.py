@@ -1,0 +1,449 @@
+"""End-to-end decode (T=1) and verify (T=4) step times of a DeepSeek-V4 slice, three variants:
+
+- eager: the uncompiled step module (`engine.module`);
+- compile_default: `torch.compile(engine.module, mode="reduce-overhead", fullgraph=True,
+  dynamic=False)`: inductor with CUDA graphs, no dsv4 passes, one static graph per (B, T);
+- optimize: `engine.step` of `dsv4_compile.optimize(...)` (the dsv4 passes, CUDA graph trees).
+
+The three share one step module and so one set of caches. Before each case the caches are
+filled with the same random values and the step runs at start_pos = context: every cache is
+indexed by absolute position and a step reads only positions < start_pos + T, so no prefill is
+needed, and a step only rewrites positions >= start_pos with values that depend on the earlier
+ones, so repeated steps and the three variants all see the same state.
+
+Per case (B, T, context): correctness first (logits of every variant against the reference on
+the same step, once with decisive routing, which is the pass/fail check, and once with the
+model's own routing, reported), then medians of the step time, the kernel breakdown of the
+optimize step from torch.profiler, and tokens/s extrapolated to 43 layers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+import dsv4_compile
+from bench import report
+from bench.measure import compare_logits, kernel_breakdown, make_timer, synchronize, timed_first_call
+from bench.slice_model import (FULL_MODEL_LAYERS, build_slice, cache_bytes_by_kind, decisive_routing,
+                               fill_caches_, smoke_model)
+
+VARIANTS = ("eager", "compile_default", "optimize")
+VERIFY_TOKENS = 3
+# Per-token relative L2 error of the logits, (median, max) over the tokens of a step.
+# bf16: inductor keeps f32 intermediates where eager rounds each op to bf16 (2**-9). On the
+# tiny model in bf16 (CPU, decisive routing, every compressed entry selected) eager vs
+# torch.compile default gave median 2.2e-2 and max 6.3e-2 over 32 tokens, so (5e-2, 0.15) leave
+# ~2.3x margin; a wrong kernel changes a whole layer's output, >= ~0.3 on every token. With the
+# model's own routing a near-tie can flip an expert (the row is reported, not judged); at full
+# width an indexer flip moves one of ~640 attended rows.
+BF16_TOLERANCE = (5e-2, 0.15)
+# f32: inductor reorders and fuses reductions, ~1e-6 relative.
+F32_TOLERANCE = (1e-4, 1e-4)
+MIN_FREE_FRACTION = 0.9  # a baseline whose estimated peak exceeds this share of free memory is skipped
+
+
+@dataclass(frozen=True)
+class Group:
+    """A batch size and step width (one compiled graph per variant) and the variants it runs."""
+
+    batch: int
+    tokens: int
+    variants: tuple[str, ...] = VARIANTS
+
+
+@dataclass(frozen=True)
+class Suite:
+    """What one mode runs: its groups in order, the contexts of each, the engine's sizes, the
+    correctness tolerance, the profiled steps per case and the default time budget."""
+
+    name: str
+    groups: tuple[Group, ...]
+    contexts: tuple[int, ...]
+    max_batch: int
+    max_context: int
+    tolerance: tuple[float, float]  # (median, max) per-token relative L2 error
+    profile_steps: int
+    default_budget_s: float
+
+
+SUITES = {
+    # The targets' cases first (B=64), then B=1; a group not started in the budget is recorded.
+    "quick": Suite("quick", (Group(64, 1), Group(64, 4), Group(1, 1), Group(1, 4)),
+                   (512, 8192, 131072), 64, 1 << 20, BF16_TOLERANCE, 3, 500.0),
+    "full": Suite("full", (Group(64, 1), Group(64, 4), Group(1, 1), Group(16, 1), Group(1, 4), Group(16, 4)),
+                  (512, 8192, 32768, 131072, 524288), 64, 1 << 20, BF16_TOLERANCE, 3, 560.0),
+    # Three compiled graphs (inductor's CPU codegen takes about a minute each on 2 cores):
+    # compile_default at T=1, optimize at T=1 and T=4, all at B=2; B=1 runs eager and is
+    # checked against row 0 of B=2 (on the GPU every variant that ran at B=64 is, at B=1).
+    "smoke": Suite("smoke", (Group(2, 1), Group(2, 4, ("eager", "optimize")), Group(1, 1, ("eager",)),
+                             Group(1, 4, ("eager",))),
+                   (8, 40), 2, 256, F32_TOLERANCE, 1, math.inf),
+}
+
+
+def _baseline_peak_bytes(variant: str, batch: int, tokens: int, config, max_context: int) -> int:
+    """A rough peak of the transient memory of the plain-torch hot spots (the largest two).
+
+    MoE: the gathered experts, a = M * k * 2I * K values; eager unpacks them to uint8 codes,
+    indexes an int64 copy and multiplies f32 values (~13a bytes); inductor fuses the dequant
+    into bf16 weights, w13 then w2 (~2a; more if it materialises the unpacked codes, and then
+    the OOM is caught). Indexer: f32 scores [B, T, H, S] over every slot of max context (eager
+    keeps about three of them and the f32 keys, inductor one and the keys).
+    """
+    if variant == "optimize":
+        return 0
+    a = batch * tokens * config.num_experts_per_tok * 2 * config.moe_intermediate_size * config.hidden_size
+    slots = max_context // config.compress_rates["compressed_sparse_attention"]
+    scores = batch * tokens * config.index_n_heads * slots * 4
+    keys = batch * slots * config.index_head_dim * 4
+    if variant == "eager":
+        return max(13 * a, 3 * scores + 2 * keys)
+    return max(2 * a, scores + keys)
+
+
+class E2EBench:
+    """Runs one Suite and keeps its results (a JSON-able dict) up to date in `out`."""
+
+    def __init__(self, suite: Suite, out: Path, budget_s: float, command: str, started: float) -> None:
+        self.suite = suite
+        self.out = out
+        self.deadline = started + budget_s - 20.0  # keep 20 s for the reports and plots
+        self.smoke = suite.name == "smoke"
+        if not self.smoke and not torch.cuda.is_available():
+            raise SystemExit(f"--{suite.name} needs a CUDA GPU; --smoke runs on CPU")
+        self.device = torch.device("cpu" if self.smoke else "cuda")
+        self.timer = make_timer(self.device)
+        self.results = report.new_results(suite, command, self.device)
+        # (variant, T, ctx) -> row 0 of the logits of the first group that ran it: a later,
+        # smaller batch with the same row-0 inputs and state must give the same logits.
+        self.first_rows: dict[tuple[str, int, int], torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ set-up
+
+    def build(self) -> None:
+        start = time.perf_counter()
+        self.model = smoke_model() if self.smoke else build_slice(self.device)
+        max_batch = self.suite.max_batch
+        while True:
+            try:
+                self.engine = dsv4_compile.optimize(self.model, max_batch=max_batch,
+                                                    max_context=self.suite.max_context,
+                                                    verify_tokens=VERIFY_TOKENS)
+                break
+            except torch.OutOfMemoryError:
+                if max_batch == 1:
+                    raise
+                max_batch //= 2
+                gc.collect()
+                torch.cuda.empty_cache()
+                self.results["notes"].append(f"caches for max_batch={max_batch * 2} did not fit: "
+                                             f"max_batch lowered to {max_batch}")
+        self.compile_default = torch.compile(self.engine.module, mode="reduce-overhead", fullgraph=True,
+                                             dynamic=False)
+        self.results["setup"] = self._setup_record(max_batch, time.perf_counter() - start)
+        setup = self.results["setup"]
+        print(f"[setup] {setup['model']}; caches {setup['cache_gb']:.1f} GB, weights {setup['weight_gb']:.1f} GB, "
+              f"free {setup.get('free_gb', float('nan')):.1f} GB, built in {setup['build_s']:.0f} s", flush=True)
+
+    def _setup_record(self, max_batch: int, build_s: float) -> dict:
+        config = self.model.config
+        caches = cache_bytes_by_kind(self.engine.module)
+        weights = sum(t.numel() * t.element_size() for t in self.model.parameters())
+        weights += sum(t.numel() * t.element_size() for t in self.model.buffers())
+        record = {
+            "model": (f"{config.num_hidden_layers} layers {list(config.layer_types)}, mlp "
+                      f"{list(config.mlp_layer_types)}, hidden {config.hidden_size}, {config.num_attention_heads} "
+                      f"heads x {config.head_dim}, q_lora {config.q_lora_rank}, o_groups {config.o_groups} x "
+                      f"{config.o_lora_rank}, indexer {config.index_n_heads} x {config.index_head_dim} top-"
+                      f"{config.index_topk}, {config.n_routed_experts} experts x {config.moe_intermediate_size} "
+                      f"top-{config.num_experts_per_tok} MXFP4, hc_mult {config.hc_mult}, window "
+                      f"{config.sliding_window}, compress rates {dict(config.compress_rates)}, vocab "
+                      f"{config.vocab_size}, {self.model.lm_head.weight.dtype}"),
+            "max_batch": max_batch, "max_context": self.suite.max_context, "verify_tokens": VERIFY_TOKENS,
+            "cache_bytes": caches, "cache_gb": sum(caches.values()) / 1e9, "weight_gb": weights / 1e9,
+            "build_s": round(build_s, 1),
+        }
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            record.update(free_gb=free / 1e9, total_gb=total / 1e9,
+                          allocated_gb=torch.cuda.memory_allocated(self.device) / 1e9)
+        return record
+
+    # ------------------------------------------------------------------ running
+
+    def run(self) -> dict:
+        torch._dynamo.reset()  # no earlier compiles of the step's code count towards the recompile limit
+        self.build()
+        last_group_s = 0.0
+        with torch.no_grad():
+            for index, group in enumerate(self.suite.groups):
+                if group.batch > self.engine.layout.max_batch:
+                    self._skip_group(group, f"B > max_batch {self.engine.layout.max_batch}")
+                    continue
+                if index and time.monotonic() + last_group_s > self.deadline:
+                    self._skip_group(group, f"budget: the last group took {last_group_s:.0f} s")
+                    continue
+                start = time.monotonic()
+                self._run_group(group)
+                last_group_s = time.monotonic() - start
+        self.results["pass_report"] = self.engine.report.format()
+        report.write_outputs(self.out, self.results)
+        return self.results
+
+    def release(self) -> None:
+        """Frees the model, the caches and the compiled graphs (the kernel benches run next)."""
+        for name in ("compile_default", "engine", "model"):
+            self.__dict__.pop(name, None)
+        self.first_rows.clear()
+        torch._dynamo.reset()
+        self._release_memory()
+
+    def _skip_group(self, group: Group, reason: str) -> None:
+        for context in self.suite.contexts:
+            self.results["cases"].append({"B": group.batch, "T": group.tokens, "ctx": context, "skipped": reason})
+        print(f"[B={group.batch} T={group.tokens}] skipped ({reason})", flush=True)
+        report.write_outputs(self.out, self.results)
+
+    def _step_fn(self, variant: str, ids: torch.Tensor, start: torch.Tensor, rows: torch.Tensor) -> Callable:
+        if variant == "eager":
+            return lambda: self.engine.module(ids, start, rows)
+        compiled = self.compile_default if variant == "compile_default" else self.engine.step
+
+        def step():
+            if self.device.type == "cuda":
+                torch.compiler.cudagraph_mark_step_begin()
+            return compiled(ids, start, rows)
+        return step
+
+    def _inputs(self, group: Group, context: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """input_ids [B, T] (row b the same for every B), start_pos [B] = context, rows [B]."""
+        generator = torch.Generator().manual_seed(1000 + group.tokens)
+        ids = torch.randint(0, self.model.config.vocab_size, (self.suite.max_batch, group.tokens), generator=generator)
+        ids = ids[: group.batch].to(self.device)
+        start = torch.full((group.batch,), context, dtype=torch.int64, device=self.device)
+        rows = torch.arange(group.batch, dtype=torch.int64, device=self.device)
+        return ids, start, rows
+
+    def _head_us(self, group: Group) -> float:
+        """Median time of the eager model head (embedding, hc_head, norm, lm_head) at (B, T)."""
+        inner = self.model.model
+        config = self.model.config
+        ids, _, _ = self._inputs(group, 0)
+        hidden = torch.randn(group.batch, group.tokens, config.hc_mult, config.hidden_size,
+                             dtype=self.model.lm_head.weight.dtype, device=self.device)
+
+        def head():
+            inner.embed_tokens(ids)
+            return self.model.lm_head(inner.norm(inner.hc_head(hidden)))
+        return self.timer(head)
+
+    def _memory_skips(self, group: Group) -> dict[str, str]:
+        if self.device.type != "cuda":
+            return {}
+        gc.collect()
+        torch.cuda.empty_cache()
+        free = torch.cuda.mem_get_info(self.device)[0]
+        skips = {}
+        for variant in group.variants:
+            need = _baseline_peak_bytes(variant, group.batch, group.tokens, self.model.config, self.suite.max_context)
+            if need > MIN_FREE_FRACTION * free:
+                skips[variant] = (f"skipped: its plain-torch hot spots need ~{need / 1e9:.0f} GB, "
+                                  f"{free / 1e9:.0f} GB free")
+        return skips
+
+    def _run_group(self, group: Group) -> None:
+        status = {v: "ok" for v in group.variants}
+        status.update(self._memory_skips(group))
+        steps = {}
+        ids, start, rows = self._inputs(group, self.suite.contexts[0])
+        # optimize first: its graph is recorded before a baseline can run out of memory.
+        for variant in sorted(group.variants, key=("optimize", "compile_default", "eager").index):
+            if status[variant] != "ok":
+                self._record_compile(group, variant, None, status[variant], {})
+                continue
+            steps[variant] = self._step_fn(variant, ids, start, rows)
+            status[variant] = self._compile(group, variant, steps[variant])
+        head_us = self._head_us(group)
+        last_case_s = 0.0
+        for context in self.suite.contexts:
+            if time.monotonic() + last_case_s > self.deadline:
+                self.results["cases"].append({"B": group.batch, "T": group.tokens, "ctx": context,
+                                              "skipped": "budget"})
+                continue
+            start.fill_(context)
+            case_start = time.monotonic()
+            self._run_case(group, context, steps, status, head_us)
+            last_case_s = time.monotonic() - case_start
+        steps.clear()
+        torch._dynamo.reset()  # drops this group's graphs and CUDA-graph pools
+        self._release_memory()
+
+    def _compile(self, group: Group, variant: str, step: Callable) -> str:
+        """First call (the compile) and two more (CUDA-graph recording); returns the status."""
+        from torch._dynamo.utils import counters
+
+        records_before = len(self.engine.report.records)
+        skips_before = counters["inductor"]["cudagraph_skips"]
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        try:
+            _, seconds = timed_first_call(step, self.device)
+            for _ in range(2 if self.device.type == "cuda" else 0):  # CUDA-graph trees record on a later call
+                step()
+            synchronize(self.device)
+            outcome = "ok"
+        except torch.OutOfMemoryError as exc:
+            seconds, outcome = None, f"OOM: {str(exc).splitlines()[0][:200]}"
+        except Exception as exc:  # recorded; the other variants still run
+            seconds, outcome = None, f"error: {type(exc).__name__}: {str(exc)[:300]}"
+        extra = {"cudagraph_skips": counters["inductor"]["cudagraph_skips"] - skips_before}
+        if self.device.type == "cuda":
+            extra["peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
+        if variant == "optimize":
+            new = self.engine.report.records[records_before:]
+            extra["pass_matches"] = {name: sum(r.matched for r in new if r.pass_name == name)
+                                     for name in dict.fromkeys(r.pass_name for r in new)}
+            extra["pass_declines"] = sorted({f"{r.pass_name}: {r.reason}" for r in new if not r.matched})
+        self._record_compile(group, variant, seconds, outcome, extra)
+        if outcome != "ok":
+            self._release_memory()
+        return outcome
+
+    def _record_compile(self, group: Group, variant: str, seconds: float | None, outcome: str, extra: dict) -> None:
+        self.results["compile"].append({"B": group.batch, "T": group.tokens, "variant": variant,
+                                        "seconds": seconds, "status": outcome, **extra})
+        shown = "-" if seconds is None else f"{seconds:.1f} s"
+        print(f"[compile B={group.batch} T={group.tokens}] {variant}: {shown} ({outcome})", flush=True)
+        report.write_outputs(self.out, self.results)
+
+    def _logits(self, steps: dict, status: dict) -> dict[str, torch.Tensor]:
+        """One step of every live variant: f32 copies of the logits (CUDA-graph outputs are
+        overwritten by the next replay)."""
+        logits = {}
+        for variant, step in steps.items():
+            if status[variant] != "ok":
+                continue
+            try:
+                logits[variant] = step().to(torch.float32, copy=True)
+            except Exception as exc:  # noqa: BLE001 - recorded (an OOM too), the variant stops for this group
+                status[variant] = f"error: {type(exc).__name__}: {str(exc)[:300]}"
+                self._release_memory()
+        return logits
+
+    def _release_memory(self) -> None:
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _check(self, logits: dict[str, torch.Tensor]) -> dict:
+        """Every variant against the reference (eager, else compile_default); a variant with no
+        baseline to compare with (the baselines ran out of memory) is checked for finite logits."""
+        checks = {}
+        reference = next((v for v in ("eager", "compile_default") if v in logits), None)
+        for variant, values in logits.items():
+            if variant == reference or reference is None:
+                finite = bool(torch.isfinite(values).all())
+                checks[variant] = {"reference": variant == reference, "finite": finite, "ok": finite}
+            else:
+                checks[variant] = {"against": reference,
+                                   **compare_logits(values, logits[reference], *self.suite.tolerance)}
+        return checks
+
+    def _run_case(self, group: Group, context: int, steps: dict, status: dict, head_us: float) -> None:
+        case = {"B": group.batch, "T": group.tokens, "ctx": context}
+        # The same state for every case: a step at a smaller context rewrites entries that a
+        # larger context reads (its positions, and the compressed entries that close there).
+        fill_caches_(self.engine.module)
+        with decisive_routing(self.model):
+            decisive = self._logits(steps, status)
+        case["check"] = self._check(decisive)
+        case["check_model_routing"] = self._check(self._logits(steps, status))
+        case["batch_consistency"] = {}
+        for variant, values in decisive.items():
+            key = (variant, group.tokens, context)
+            if key in self.first_rows:
+                case["batch_consistency"][variant] = compare_logits(
+                    values[:1], self.first_rows[key].to(values.device), *self.suite.tolerance)
+            else:
+                self.first_rows[key] = values[:1].cpu()
+        del decisive
+        case["correct"] = all(c["ok"] for c in case["check"].values()) and \
+            all(c["ok"] for c in case["batch_consistency"].values())
+
+        times = {}
+        for variant, step in steps.items():
+            if status[variant] != "ok":
+                continue
+            try:
+                times[variant] = self.timer(step, heavy=variant == "eager")
+            except Exception as exc:  # noqa: BLE001 - an OOM mid-run is a result, not a crash
+                status[variant] = f"error: {type(exc).__name__}: {str(exc)[:300]}"
+                self._release_memory()
+        case["us"] = times
+        case["status"] = dict(status)
+        case["head_us"] = head_us
+        layers = self.model.config.num_hidden_layers
+        case["tok_s_43_layers"] = {
+            v: group.batch * group.tokens / ((max(us - head_us, 0.0) / layers * FULL_MODEL_LAYERS + head_us) * 1e-6)
+            for v, us in times.items()}
+        if "optimize" in times:
+            for base in ("compile_default", "eager"):
+                if base in times:
+                    case[f"speedup_vs_{base}"] = times[base] / times["optimize"]
+        case["breakdown"] = self._breakdowns(group, context, steps, status)
+        self.results["cases"].append(case)
+        report.write_outputs(self.out, self.results)
+        print(report.case_line(case), flush=True)
+
+    def _breakdowns(self, group: Group, context: int, steps: dict, status: dict) -> dict:
+        """optimize at every case; compile_default at the first context (its work is that of
+        max context whatever the real length)."""
+        wanted = ["optimize"] + (["compile_default"] if context == self.suite.contexts[0] else [])
+        found = {}
+        for variant in wanted:
+            if variant in steps and status[variant] == "ok":
+                try:
+                    found[variant] = kernel_breakdown(steps[variant], self.device, self.suite.profile_steps)
+                except Exception as exc:  # noqa: BLE001 - the profiler is diagnostics only
+                    found[variant] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+        return found
+
+
+def run_suite(suite: Suite, out: Path, budget_s: float, command: str, started: float) -> dict:
+    """Runs `suite`, writing out/e2e.json and out/e2e.md after every case; returns the results
+    (with "error": the traceback, if the run stopped on an exception)."""
+    out.mkdir(parents=True, exist_ok=True)
+    patches: dict = {}
+    if suite.name == "smoke":
+        # Scalar C++ and in-process builds: inductor's CPU compile of the tiny step is faster.
+        patches = {"cpp.vec_isa_ok": False, "compile_threads": 1}
+    bench = E2EBench(suite, out, budget_s, command, started)
+    try:
+        with torch._inductor.config.patch(patches):
+            bench.run()
+    except Exception:  # the partial results and the traceback are kept; the caller reports the failure
+        traceback.print_exc()
+        bench.results["error"] = traceback.format_exc()[-4000:]
+        report.write_outputs(out, bench.results)
+    finally:
+        bench.release()
+    return bench.results
+
+
+def select_groups(suite: Suite, wanted: str | None) -> Suite:
+    """The suite restricted to the groups named in `wanted` ("64x1,1x4": B x T), in its order."""
+    if not wanted:
+        return suite
+    names = {name.strip() for name in wanted.split(",") if name.strip()}
+    known = {f"{g.batch}x{g.tokens}" for g in suite.groups}
+    if not names <= known:
+        raise ValueError(f"--groups must name groups of --{suite.name} ({sorted(known)}); got {sorted(names - known)}")
+    return dataclasses.replace(suite, groups=tuple(g for g in suite.groups if f"{g.batch}x{g.tokens}" in names))
