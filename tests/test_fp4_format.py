@@ -1,4 +1,6 @@
 """FP4 formats: e2m1 coding, MXFP4/NVFP4 round trips, and the transformers FP4 expert layout."""
+import inspect
+
 import pytest
 import torch
 from hypothesis import given
@@ -89,8 +91,12 @@ def _tiny_fp4_experts(scale_fmt: str):
     from transformers.integrations.finegrained_fp8 import FP8Experts
 
     config = DeepseekV4Config(hidden_size=64, intermediate_size=32, num_local_experts=3)
-    config.expert_dtype = "fp4"
-    module = FP8Experts(config, scale_fmt=scale_fmt)
+    # transformers 5.17 reads the expert dtype from the config; later releases take an argument.
+    if "expert_dtype" in inspect.signature(FP8Experts.__init__).parameters:
+        module = FP8Experts(config, scale_fmt=scale_fmt, expert_dtype="fp4")
+    else:
+        config.expert_dtype = "fp4"
+        module = FP8Experts(config, scale_fmt=scale_fmt)
     gen = torch.Generator().manual_seed(0)
     for proj in ("gate_up_proj", "down_proj"):
         weight = getattr(module, proj)
