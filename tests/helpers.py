@@ -1,6 +1,7 @@
 """Shared test helpers: prompts, transformers' greedy reference, and a step recorder."""
 import torch
 
+from dsv4_compile import fp4
 from dsv4_compile.tiny import FAST_COMPILE_OVERRIDES, tiny_model
 
 
@@ -44,3 +45,16 @@ class StepRecorder:
         logits = self.step(input_ids, start_pos, rows)
         self.calls.append((input_ids.cpu(), start_pos.cpu(), rows.cpu(), logits.float().cpu().clone()))
         return logits
+
+
+def make_experts(fmt: str, experts: int, hidden: int, inter: int, seed: int) -> dict:
+    """Random FP4 experts in the op's layout (quantised from N(0, 0.1) so the math stays O(1))."""
+    gen = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.1
+    w2 = torch.randn(experts, hidden, inter, generator=gen) * 0.1
+    if fmt == "mxfp4":
+        (a, b), (c, d) = fp4.quantize_mxfp4(w13), fp4.quantize_mxfp4(w2)
+        g13 = g2 = None
+    else:
+        (a, b, g13), (c, d, g2) = fp4.quantize_nvfp4(w13), fp4.quantize_nvfp4(w2)
+    return dict(w13=a, w13_scale=b, w2=c, w2_scale=d, fmt=fmt, w13_global=g13, w2_global=g2)

@@ -12,12 +12,12 @@ import torch
 from torch._inductor.lowering import lowerings
 from torch._inductor.utils import run_and_get_code
 
-from dsv4_compile import fp4
 from dsv4_compile.backend import Dsv4Backend
 from dsv4_compile.kernels import fp4_moe as fp4_kernels
 from dsv4_compile.lowerings import fp4_moe as fp4_lowering
 from dsv4_compile.passes import manager
 from dsv4_compile.passes.manager import PassConfig
+from helpers import make_experts
 
 EXPERTS, HIDDEN, INTER, TOKENS, TOP_K = 4, 64, 32, 3, 6
 MODULE = "dsv4_compile.lowerings.fp4_moe"
@@ -45,14 +45,9 @@ def nan_poisoned_pairs(monkeypatch):
 
 
 def moe_inputs(fmt, dtype, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=gen) * 0.1
-    w2 = torch.randn(EXPERTS, HIDDEN, INTER, generator=gen) * 0.1
-    if fmt == "mxfp4":
-        (w13, s13), (w2, s2) = fp4.quantize_mxfp4(w13), fp4.quantize_mxfp4(w2)
-        g13 = g2 = None
-    else:
-        (w13, s13, g13), (w2, s2, g2) = fp4.quantize_nvfp4(w13), fp4.quantize_nvfp4(w2)
+    w = make_experts(fmt, EXPERTS, HIDDEN, INTER, seed)
+    w13, s13, w2, s2, g13, g2 = (w[k] for k in ("w13", "w13_scale", "w2", "w2_scale", "w13_global", "w2_global"))
+    gen = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(TOKENS, HIDDEN, generator=gen).to(dtype)
     ids = torch.randint(0, EXPERTS, (TOKENS, TOP_K), generator=gen, dtype=torch.int32)
     ids[0, 1] = ids[2, 0] = ids[2, 5] = -1  # experts on another rank
