@@ -1,5 +1,6 @@
-"""GPU checks for the foundation: transformers parity in fp32 and bf16, and one optimize() decode
-and verify under CUDA graph trees with the dsv4 passes (MXFP4 experts), counting cudagraph skips.
+"""GPU checks: transformers parity in fp32 and bf16; optimize() decode and verify under CUDA graph
+trees with the dsv4 passes (MXFP4 experts), counting cudagraph skips; 1,000 mixed bucket steps
+with no recompiles and no skips; n-gram speculative decoding against plain decode (tokens/s).
 
 python bench/gpu_checks.py --out DIR     (needs CUDA; writes DIR/gpu_checks.json, prints a summary)
 """
@@ -7,6 +8,7 @@ import argparse
 import json
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -65,19 +67,115 @@ def compiled_run(dtype: torch.dtype, device: str) -> dict:
     }
 
 
+def bucket_steps(dtype: torch.dtype, device: str, steps: int = 1000) -> dict:
+    """1,000 mixed decode and verify steps (batches 1..4 -> buckets 1, 2, 4; random prompts,
+    lengths and drafts) of one optimize() engine with the dsv4 passes under CUDA graph trees:
+    recompiles (fail_on_recompile) and cudagraph skips, a few results against the uncompiled step."""
+    import random
+
+    from torch._dynamo.utils import counters
+
+    model = tiny_model(seed=6, dtype=dtype, device=device, **FAST_COMPILE_OVERRIDES)
+    quantize_experts_(model, "mxfp4")
+    engine = dsv4_compile.optimize(model, max_batch=4, max_context=512, verify_tokens=3)
+    reference = dsv4_compile.optimize(model, max_batch=4, max_context=512, verify_tokens=3, compile=False)
+    vocab = model.config.vocab_size
+    calls = 0
+    compiled_step = engine.compiled_step
+
+    def counting_step(*args):
+        nonlocal calls
+        calls += 1
+        return compiled_step(*args)
+
+    engine.compiled_step = counting_step
+    counters.clear()
+    start = time.perf_counter()
+    for batch in (1, 2, 4):  # warm up every (bucket, T) graph
+        engine.generate([[1, 2, 3]] * batch, 2)
+        engine.generate([[1, 2, 3]] * batch, 3, draft=lambda tokens: [4, 5, 6])
+    warm_s = time.perf_counter() - start
+    graphs = counters["stats"]["unique_graphs"]
+    rng = random.Random(0)
+    matches, compared = 0, 0
+    calls = 0
+    start = time.perf_counter()
+    with torch.compiler.set_stance("fail_on_recompile"):
+        while calls < steps:
+            batch = rng.randint(1, 4)
+            prompts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 200))] for _ in range(batch)]
+            new = rng.randint(1, 40)
+            draft = rng.choice([None, "ngram", lambda tokens: [rng.randrange(vocab) for _ in range(rng.randint(0, 3))]])
+            got = engine.generate(prompts, new, draft=draft)
+            assert [len(g) for g in got] == [new] * batch
+            if compared < 4:
+                compared += 1
+                matches += got == reference.generate(prompts, new)
+    return {
+        "dtype": str(dtype), "steps": calls, "graphs_after_warmup": graphs,
+        "graphs_after_steps": counters["stats"]["unique_graphs"],
+        "recompiles": counters["stats"]["unique_graphs"] - graphs,
+        "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
+        "generates_equal_to_uncompiled": f"{matches}/{compared}",
+        "warmup_s_incl_compile": round(warm_s, 1), "steps_s": round(time.perf_counter() - start, 1),
+    }
+
+
+def ngram_speed(dtype: torch.dtype, device: str, new_tokens: int = 128) -> dict:
+    """Plain greedy decode vs n-gram speculative decoding (verify width 4) on a repetitive prompt,
+    one request, the same compiled engine: tokens/s of whole generate() calls (prefill included,
+    identical in both), the acceptance rate and whether the tokens agree."""
+    model = tiny_model(seed=0, dtype=dtype, device=device, **FAST_COMPILE_OVERRIDES)
+    quantize_experts_(model, "mxfp4")
+    engine = dsv4_compile.optimize(model, max_batch=1, max_context=1024, verify_tokens=3)
+    motif = make_prompts((12,), model.config.vocab_size, seed=5)[0]
+    prompt = motif * 8
+    engine.generate([prompt], 8)
+    engine.generate([prompt], 8, draft="ngram")
+
+    def timed(draft):
+        times, out = [], None
+        for _ in range(3):
+            start = time.perf_counter()
+            out = engine.generate([prompt], new_tokens, draft=draft)
+            times.append(time.perf_counter() - start)
+        return out, sorted(times)[1]
+
+    plain, plain_s = timed(None)
+    spec, spec_s = timed("ngram")
+    return {
+        "dtype": str(dtype), "prompt_tokens": len(prompt), "new_tokens": new_tokens,
+        "plain_tokens_per_s": round(new_tokens / plain_s, 1), "ngram_tokens_per_s": round(new_tokens / spec_s, 1),
+        "speedup": round(plain_s / spec_s, 2), "acceptance": engine.last_acceptance,
+        "tokens_equal": spec == plain,
+        "first_mismatch": next((i for i, (a, b) in enumerate(zip(spec[0], plain[0])) if a != b), None),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--only", default=None, help="comma list of check names")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {"torch": torch.__version__, "device": args.device}
     checks = (("compiled_bf16", lambda: compiled_run(torch.bfloat16, args.device)),
+              ("ngram_fp32", lambda: ngram_speed(torch.float32, args.device)),
+              ("ngram_bf16", lambda: ngram_speed(torch.bfloat16, args.device)),
+              ("buckets_bf16", lambda: bucket_steps(torch.bfloat16, args.device)),
               ("parity_fp32", lambda: parity(torch.float32, args.device)),
               ("parity_bf16", lambda: parity(torch.bfloat16, args.device)))
+    only = set(args.only.split(",")) if args.only else None
     for name, check in checks:  # results are written after each check, so a timeout keeps them
-        results[name] = check()
+        if only is not None and name not in only:
+            continue
+        try:
+            results[name] = check()
+        except Exception as exc:  # one failing check must not hide the others' results
+            results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+            traceback.print_exc()
         (out / "gpu_checks.json").write_text(json.dumps(results, indent=2))
         print(name, json.dumps(results[name]), flush=True)
 

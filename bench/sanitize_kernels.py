@@ -1,0 +1,116 @@
+"""Each dsv4 kernel once at real sizes, for `compute-sanitizer --tool memcheck` (needs CUDA).
+
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 9 \
+        python bench/sanitize_kernels.py
+
+Without the caching allocator every tensor is its own allocation, so a read or write past a
+tensor is outside any allocation and memcheck reports it. The cases put the edges where a
+kernel could go wrong: lengths of 0, below top-k, at a page multiple and at max context; index
+lists with -1 holes, out-of-range rows and whole rows of -1; expert ids of -1 and every pair on
+one expert. Each output is compared with the torch reference, so the run also checks results at
+these sizes. Prints one line per case and exits non-zero on a mismatch.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+
+import torch
+
+from bench import bench_fp4_moe, bench_indexer, bench_sparse_mla
+from dsv4_compile.kernels import fp4_moe, indexer_topk, sparse_mla
+
+DEVICE = "cuda"
+MAX_PAGES = 4097  # 262,208 c4 slots: max context 1M
+
+
+def indexer_cases(gen: torch.Generator) -> None:
+    """H=64, D=128, top-k 512, max context 1M; fp8 and bf16 keys; T in {1, 4}."""
+    for key_dtype in (torch.float8_e4m3fn, torch.bfloat16):
+        for tokens in (1, 4):
+            batch = 4
+            q, weights, k_cache, k_scale, page_table, _ = bench_indexer.make_inputs(
+                batch, 8192, tokens, 64, 128, MAX_PAGES, torch.bfloat16, DEVICE, gen)
+            # Request 3 owns the whole max context; the others are 0, < top-k and a page multiple.
+            pages = k_cache.shape[0]
+            extra = MAX_PAGES - (pages - 1)
+            more_keys = torch.randn(extra, 64, 128, generator=gen, device=DEVICE).to(k_cache.dtype)
+            k_cache = torch.cat([k_cache, more_keys])
+            k_scale = torch.cat([k_scale, torch.rand(extra, 64, generator=gen, device=DEVICE) + 0.5])
+            page_table[3] = torch.randperm(k_cache.shape[0], generator=gen, device=DEVICE)[:MAX_PAGES].int()
+            lens = torch.tensor([0, 300, 64 * 40, MAX_PAGES * 64], device=DEVICE, dtype=torch.int32)
+            lens = (lens[:, None] - (tokens - 1) + torch.arange(tokens, device=DEVICE)).clamp(min=0).int()
+            if key_dtype == torch.bfloat16:
+                k_cache, k_scale = (k_cache.float() * k_scale[..., None]).to(torch.bfloat16), None
+            idx = indexer_topk.indexer_topk(q, weights, k_cache, k_scale, page_table, lens, 512)
+            torch.cuda.synchronize()
+            scale = k_scale if k_scale is not None else torch.ones(k_cache.shape[:2], device=DEVICE)
+            err = bench_indexer.check_selection(idx, (q, weights, k_cache, scale, page_table, lens), 512,
+                                                indexer_topk, torch.bfloat16)
+            print(f"indexer keys={key_dtype} T={tokens} lens={lens[:, -1].tolist()}: ok (err {err:.2e})",
+                  flush=True)
+
+
+def sparse_mla_cases() -> None:
+    """Dh=512, H=64, window 128 + CSA top-k 512 or HCA 1,024 entries; bf16 and FP8 rows; T in {1, 4};
+    with -1 holes, out-of-range rows and one token with nothing selected."""
+    for layer, extra_len in (("csa", 512), ("hca", 1024)):
+        for fmt in ("bf16", "fp8"):
+            for tokens in (1, 4):
+                case = bench_sparse_mla.Case("sanitize", 2, tokens, 64, layer, fmt, extra_len)
+                args = list(bench_sparse_mla.make_inputs(case, DEVICE))
+                idx, eidx = args[3].clone(), args[6].clone()
+                idx[0, :, ::7] = -1
+                eidx[0, :, ::5] = -1
+                eidx[1, 0, :3] = args[4].shape[0] + 17  # out of range: treated as skipped
+                idx[1, -1] = -1
+                eidx[1, -1] = -1  # this token selects nothing -> zeros
+                args[3], args[6] = idx, eidx
+                out = sparse_mla.sparse_mla(*args)
+                torch.cuda.synchronize()
+                ref = sparse_mla.sparse_mla_reference(*args)  # also skips out-of-range rows
+                # bf16 output of f32 softmax/accumulation: 1 bf16 ulp of O(1) values, 2**-7 abs.
+                err = (out.float() - ref.float()).abs().max().item()
+                assert err <= 2 ** -7 * max(1.0, ref.float().abs().max().item()), f"sparse_mla err {err}"
+                assert bool((out[1, -1] == 0).all()), "a token with nothing selected must give zeros"
+                print(f"sparse_mla {layer} {fmt} T={tokens}: ok (max abs err {err:.2e})", flush=True)
+
+
+def fp4_moe_cases(gen: torch.Generator) -> None:
+    """V4-Flash experts (E=256, K=4096, I=2048), top-6, both formats; M in {1, 64, 256};
+    -1 ids and, at M=64, every pair on one expert."""
+    for fmt in ("mxfp4", "nvfp4"):
+        weights = bench_fp4_moe.random_experts(fmt, 256, 4096, 2048, DEVICE, gen)
+        for tokens in (1, 64, 256):
+            x = torch.randn(tokens, 4096, device=DEVICE, generator=gen).to(torch.bfloat16)
+            ids = torch.stack([torch.randperm(256, generator=gen, device=DEVICE)[:6] for _ in range(tokens)]).int()
+            if tokens == 64:
+                ids[:] = 255
+                ids[:, 1:] = -1
+            ids[0, -1] = -1
+            topk_weights = torch.rand(tokens, 6, device=DEVICE, generator=gen)
+            args = bench_fp4_moe.op_args(x, ids, topk_weights, weights)
+            out = fp4_moe.fp4_moe(*args)
+            torch.cuda.synchronize()
+            ref = fp4_moe.fp4_moe_reference(*args)
+            # bf16 output of an f32-accumulated K=4096/I=2048 product: 2**-7 of the output scale.
+            scale = ref.float().abs().max().item()
+            err = (out.float() - ref.float()).abs().max().item()
+            assert err <= 2 ** -7 * max(scale, 1.0), f"fp4_moe {fmt} M={tokens} err {err} (scale {scale})"
+            print(f"fp4_moe {fmt} M={tokens}: ok (max abs err {err:.2e}, output scale {scale:.2f})", flush=True)
+        del weights
+
+
+def main() -> int:
+    started = time.monotonic()
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    indexer_cases(gen)
+    sparse_mla_cases()
+    fp4_moe_cases(gen)
+    print(f"all kernels ran in {math.ceil(time.monotonic() - started)} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
