@@ -62,6 +62,7 @@ def compiled_run(dtype: torch.dtype, device: str) -> dict:
         "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
         "pass_counts": {name: {g: engine.report.count(name, g) for g in ("T=1", "T=4")}
                         for name in ("indexer", "sparse_mla", "fp4_moe")},
+        "report": engine.report.format().splitlines(),
         "first_generate_s_incl_compile": round(compile_s, 1),
         "generate_ms_per_token_steady": round(steady_ms, 2),
     }
@@ -122,14 +123,16 @@ def bucket_steps(dtype: torch.dtype, device: str, steps: int = 1000) -> dict:
 
 
 def ngram_speed(dtype: torch.dtype, device: str, new_tokens: int = 128) -> dict:
-    """Plain greedy decode vs n-gram speculative decoding (verify width 4) on a repetitive prompt,
-    one request, the same compiled engine: tokens/s of whole generate() calls (prefill included,
-    identical in both), the acceptance rate and whether the tokens agree."""
+    """Plain greedy decode vs speculative decoding (verify width 4), one request on a repetitive
+    prompt, the same compiled engine: tokens/s of whole generate() calls (the prefill is the same
+    in each), acceptance and whether the tokens equal plain decoding. Drafts: "ngram" (prompt
+    lookup), "oracle" (the plain run's own next tokens: every draft right, the upper bound) and
+    "wrong" (never right: the cost of a useless verify)."""
     model = tiny_model(seed=0, dtype=dtype, device=device, **FAST_COMPILE_OVERRIDES)
     quantize_experts_(model, "mxfp4")
     engine = dsv4_compile.optimize(model, max_batch=1, max_context=1024, verify_tokens=3)
-    motif = make_prompts((12,), model.config.vocab_size, seed=5)[0]
-    prompt = motif * 8
+    vocab = model.config.vocab_size
+    prompt = make_prompts((12,), vocab, seed=5)[0] * 8
     engine.generate([prompt], 8)
     engine.generate([prompt], 8, draft="ngram")
 
@@ -139,17 +142,27 @@ def ngram_speed(dtype: torch.dtype, device: str, new_tokens: int = 128) -> dict:
             start = time.perf_counter()
             out = engine.generate([prompt], new_tokens, draft=draft)
             times.append(time.perf_counter() - start)
-        return out, sorted(times)[1]
+        return out, sorted(times)[1], engine.last_acceptance
 
-    plain, plain_s = timed(None)
-    spec, spec_s = timed("ngram")
-    return {
-        "dtype": str(dtype), "prompt_tokens": len(prompt), "new_tokens": new_tokens,
-        "plain_tokens_per_s": round(new_tokens / plain_s, 1), "ngram_tokens_per_s": round(new_tokens / spec_s, 1),
-        "speedup": round(plain_s / spec_s, 2), "acceptance": engine.last_acceptance,
-        "tokens_equal": spec == plain,
-        "first_mismatch": next((i for i, (a, b) in enumerate(zip(spec[0], plain[0])) if a != b), None),
-    }
+    plain, plain_s, _ = timed(None)
+    truth = plain[0]
+
+    def oracle(tokens: list[int]) -> list[int]:
+        done = len(tokens) - len(prompt)
+        return truth[done:done + 3]
+
+    def wrong(tokens: list[int]) -> list[int]:
+        done = len(tokens) - len(prompt)
+        return [(t + 1) % vocab for t in truth[done:done + 3]]
+
+    result = {"dtype": str(dtype), "prompt_tokens": len(prompt), "new_tokens": new_tokens,
+              "plain_tokens_per_s": round(new_tokens / plain_s, 1)}
+    for name, draft in (("ngram", "ngram"), ("oracle", oracle), ("wrong", wrong)):
+        out, seconds, acceptance = timed(draft)
+        result[name] = {"tokens_per_s": round(new_tokens / seconds, 1), "speedup": round(plain_s / seconds, 2),
+                        "acceptance": acceptance, "tokens_equal": out == plain,
+                        "first_mismatch": next((i for i, (a, b) in enumerate(zip(out[0], truth)) if a != b), None)}
+    return result
 
 
 def main() -> None:

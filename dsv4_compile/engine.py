@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from .backend import Dsv4Backend
+from .compiled_step import compile_step
 from .drafting import Drafter, make_drafter
 from .model.attention import CSA
 from .model.fp4_experts import is_fp4
@@ -58,8 +59,8 @@ class Engine:
         self.config = PassConfig() if passes is None else PassConfig(passes=passes)
         self.backend = Dsv4Backend(self.config, self.report, cudagraphs=self.device.type == "cuda")
         self._checked_graphs: set[str] = set()
-        self.compiled_step = (torch.compile(self.module, backend=self.backend, fullgraph=True, dynamic=False)
-                              if compile else self.module)
+        graphs = len({batch_bucket(b, max_batch) for b in range(1, max_batch + 1)}) * (2 if verify_tokens else 1)
+        self.compiled_step = compile_step(self.module, self.backend, graphs) if compile else self.module
 
     @torch.no_grad()
     def step(self, input_ids: torch.Tensor, start_pos: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

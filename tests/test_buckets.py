@@ -52,3 +52,16 @@ def test_mixed_steps_never_recompile():
                 assert got == reference.generate(prompts, new)
                 checked += 1
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_engines_keep_their_own_graph_budget():
+    """Dynamo counts graphs per code object: each engine's step has its own, so engines in one
+    process do not share dynamo's recompile_limit, and an engine raises the limit to its graph count."""
+    model = tiny_model(seed=1, num_hidden_layers=1, layer_types=["sliding_attention"], mlp_layer_types=["moe"])
+    expected = dsv4_compile.optimize(model, max_batch=1, max_context=256, compile=False).generate([[1, 2, 3]], 2)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for _ in range(2):  # on a shared code object the second engine's graph would exceed the limit
+            engine = dsv4_compile.optimize(model, max_batch=1, max_context=256, passes=())
+            assert engine.generate([[1, 2, 3]], 2) == expected
+        dsv4_compile.optimize(model, max_batch=64, max_context=256, verify_tokens=3, compile=True, passes=())
+        assert torch._dynamo.config.recompile_limit == 14  # buckets 1..64 (7) x T in {1, 4}
