@@ -29,6 +29,7 @@ import operator
 from dataclasses import dataclass
 
 import torch
+from torch._inductor import inductor_prims
 from torch.fx import Graph, Node
 
 import dsv4_compile.kernels.sparse_mla  # noqa: F401  (registers torch.ops.dsv4.sparse_mla)
@@ -45,6 +46,7 @@ _LAYOUT = {aten.reshape.default, aten.view.default, aten._unsafe_view.default, a
            aten.squeeze.dims, aten.squeeze.default, aten.clone.default, prims.convert_element_type.default,
            aten.alias.default}
 _LAST = (-1, 3)
+_PREPARE_SOFTMAX_ONLINE = inductor_prims.prepare_softmax_online
 
 
 class _Decline(Exception):
@@ -112,6 +114,28 @@ def _ancestors(node: Node, limit: int = 4000) -> set[Node]:
 # ----------------------------------------------------------------------------- normalisation
 
 
+def _online_softmax_input(num, den) -> Node | None:
+    """x of inductor's online softmax, exp(x - m) / s with (m, s) = prepare_softmax_online(x, dim),
+    which inductor's own post-grad passes make of exp / sum on CUDA; None if (num, den) is not that.
+    Raises _Decline when the softmax is not over the key axis."""
+    if not (isinstance(num, Node) and num.target == aten.exp.default and isinstance(den, Node)
+            and den.target == operator.getitem and den.args[1] == 1):
+        return None
+    stats = den.args[0]
+    if not (isinstance(stats, Node) and stats.target == _PREPARE_SOFTMAX_ONLINE):
+        return None
+    x, dim = stats.args[:2]
+    diff = num.args[0]
+    if not (isinstance(diff, Node) and diff.target == aten.sub.Tensor and diff.args[0] is x
+            and isinstance(diff.args[1], Node) and diff.args[1].target == operator.getitem
+            and diff.args[1].args == (stats, 0)):
+        return None
+    rank = len(_shape(x))
+    if dim % rank != rank - 1:
+        raise _Decline(f"softmax over dim {dim}, not the key axis")
+    return _strip(x)
+
+
 def _softmax_with_sink_column(p: Node):
     """Form A: returns (L, sink) or raises _Decline."""
     if p.target != aten.slice.Tensor:
@@ -126,12 +150,16 @@ def _softmax_with_sink_column(p: Node):
         raise _Decline(f"normalisation by {norm.target}, not exp / sum")
     num, den = norm.args
     den = _strip(den)
-    if not (isinstance(num, Node) and num.target == aten.exp.default and isinstance(den, Node)
-            and den.target == aten.sum.dim_IntList and den.args[0] is num):
-        raise _Decline("not exp(x) / sum(exp(x))")
-    if not _reduces_last(den):
-        raise _Decline(f"softmax over dim {den.args[1]}, not the key axis")
-    x = _strip(num.args[0])
+    online = _online_softmax_input(num, den)
+    if online is not None:
+        x = online
+    else:
+        if not (isinstance(num, Node) and num.target == aten.exp.default and isinstance(den, Node)
+                and den.target == aten.sum.dim_IntList and den.args[0] is num):
+            raise _Decline("not exp(x) / sum(exp(x))")
+        if not _reduces_last(den):
+            raise _Decline(f"softmax over dim {den.args[1]}, not the key axis")
+        x = _strip(num.args[0])
     while isinstance(x, Node) and x.target == aten.sub.Tensor:  # subtract row maxima (stabilisers)
         y, red = x.args
         red = _strip(red)

@@ -8,6 +8,7 @@ bf16 cases use atol = rtol = 3e-2. f32 cases differ only by summation order: 1e-
 """
 import pytest
 import torch
+from torch._inductor import inductor_prims
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.utils import run_and_get_code
 
@@ -80,6 +81,29 @@ def test_model_form_f32_is_exact_up_to_summation_order():
     out, _, report = compile_with_pass(two_pool_attention, *args)
     assert report.count("sparse_mla") == 1
     torch.testing.assert_close(out, two_pool_attention(*args), **TOL[torch.float32])
+
+
+def online_softmax_attention(q, kv, idx, sink):
+    """The model's form as inductor's own post-grad passes leave it on CUDA (online softmax):
+    exp(x - m) / s with (m, s) = prepare_softmax_online(x), in f32, cast back."""
+    rows = gather_rows(kv, idx)
+    batch, tokens, heads, dim = q.shape
+    logits = torch.matmul(q, rows.transpose(-1, -2)) * dim ** -0.5
+    logits = logits.masked_fill(~(idx >= 0).unsqueeze(2), float("-inf"))
+    combined = torch.cat([logits, sink.view(1, 1, heads, 1).expand(batch, tokens, heads, 1).to(q.dtype)], dim=-1)
+    combined = (combined - combined.max(dim=-1, keepdim=True).values).float()
+    row_max, row_sum = inductor_prims.prepare_softmax_online(combined, -1)
+    probs = (torch.exp(combined - row_max) / row_sum).to(q.dtype)[..., :-1]
+    return torch.matmul(probs, rows)
+
+
+@pytest.mark.parametrize("tokens", [1, 3], ids=["decode", "verify"])
+def test_online_softmax_form_is_rewritten(tokens):
+    args = model_inputs("window", tokens)
+    out, code, report = compile_with_pass(online_softmax_attention, *args)
+    assert report.count("sparse_mla") == 1
+    assert "dsv4.sparse_mla" in code and "bmm" not in code
+    torch.testing.assert_close(out, online_softmax_attention(*args), **TOL[torch.bfloat16])
 
 
 def index_and_causal_mask(q, kv, idx, sink):
