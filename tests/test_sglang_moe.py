@@ -299,3 +299,11 @@ def test_nvfp4_gate_and_up_global_scales_must_match(sg, model_dir, plugin_loaded
 def test_bad_format_is_rejected():
     with pytest.raises(ValueError, match="fmt must be 'mxfp4' or 'nvfp4'"):
         sglang_moe.Dsv4Fp4MoEMethod("fp8", object(), TARGET_PREFIX)
+
+
+def test_other_activation_is_rejected(sg, model_dir, plugin_loaded):
+    with sglang_runtime(sg, model_dir, "flashinfer_mxfp4"), sg.runtime.override_platform(**ARCH["sm_120"]):
+        with pytest.raises(ValueError, match="activation must be gated 'silu', got 'gelu'"):
+            sg.fused_moe.FusedMoE(num_experts=EXPERTS, hidden_size=HIDDEN, intermediate_size=INTER, layer_id=0,
+                                  top_k=TOP_K, quant_config=dsv4_fp8_config(sg), prefix=TARGET_PREFIX,
+                                  activation="gelu", params_dtype=torch.bfloat16)
