@@ -18,6 +18,7 @@ from torch import nn
 # top-level `kernels` package; run from the repository root, that is this repository's kernels/,
 # and it imports dsv4_compile half-way through transformers' own import (a circular import).
 from dsv4_compile.integrations import sglang as plugin
+from dsv4_compile.integrations import sglang_moe
 from dsv4_compile.passes.manager import PASS_MODULES, PassConfig
 from dsv4_compile.tiny import FAST_COMPILE_OVERRIDES, TINY_CONFIG, tiny_model
 
@@ -88,6 +89,13 @@ def sglang_state(monkeypatch):
     monkeypatch.setattr(HookRegistry, "_patched", set())
     monkeypatch.setattr(torch_compile_decoration, "patch_model", torch_compile_decoration.patch_model)
     monkeypatch.setattr(plugin, "active_backend", None)
+    # load_plugins() applies the plugin's MoE hooks to these classes too when their modules can be
+    # imported (tests/test_sglang_moe.py imports them); put the originals back afterwards.
+    for target in (sglang_moe.FP8_CONFIG_TARGET, sglang_moe.HYBRID_CONFIG_TARGET):
+        module_name, class_name, method = target.rsplit(".", 2)
+        if module_name in sys.modules:
+            cls = getattr(sys.modules[module_name], class_name)
+            monkeypatch.setattr(cls, method, cls.__dict__[method])
     for name in ("SGLANG_PLUGINS", "SGLANG_PLATFORM", plugin.DISABLE_ENV):
         monkeypatch.delenv(name, raising=False)
     # SGLang's default mode (max-autotune-no-cudagraphs) autotunes GEMM templates: slow on CPU.
@@ -218,7 +226,8 @@ def test_disable_registers_nothing(sglang_state, monkeypatch, caplog):
     sglang_plugins.load_plugins()
 
     assert torch_compile_decoration.patch_model is original
-    assert plugin.PATCH_MODEL_TARGET not in HookRegistry._hooks
+    for target in (plugin.PATCH_MODEL_TARGET, sglang_moe.FP8_CONFIG_TARGET, sglang_moe.HYBRID_CONFIG_TARGET):
+        assert target not in HookRegistry._hooks
     assert plugin.active_backend is None
     assert any("disabled by DSV4_COMPILE_DISABLE=1" in r.getMessage() for r in caplog.records)
 

@@ -7,6 +7,9 @@ replacement compiles with `Dsv4Backend(cudagraphs=False)` and `dynamic=False`: S
 whole step in its own CUDA graph, and each capture size gets its own static graph. Every other
 model goes to SGLang's original `patch_model`.
 
+It also hooks SGLang's MoE quantization-method selection (`sglang_moe`): on sm_120, DeepSeek-V4's
+FP4 experts (MXFP4, the MTP draft's included, and NVFP4) run `torch.ops.dsv4.fp4_moe`.
+
 SGLang is imported only inside the functions here, so importing this module never needs it.
 """
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from dsv4_compile.backend import Dsv4Backend
+from dsv4_compile.integrations.sglang_moe import register_moe_hooks
 
 log = logging.getLogger("dsv4_compile")
 
@@ -103,7 +107,8 @@ def make_patch_model(original: Callable[..., AbstractContextManager[Callable]],
 
 
 def register() -> None:
-    """The `sglang.srt.plugins` entry point: registers the patch_model replacement with SGLang.
+    """The `sglang.srt.plugins` entry point: registers the patch_model replacement and the FP4
+    MoE method hooks with SGLang.
 
     Registers nothing when DSV4_COMPILE_DISABLE=1, or when sglang is missing or is not 0.5.23
     (it logs why). Raises ValueError only for an unknown DSV4_COMPILE_DISABLE value.
@@ -128,7 +133,9 @@ def register() -> None:
     backend = Dsv4Backend(cudagraphs=False)
     replacement = make_patch_model(torch_compile_decoration.patch_model, backend)
     HookRegistry.register(PATCH_MODEL_TARGET, replacement, HookType.REPLACE)
+    register_moe_hooks()
     active_backend = backend
     passes = ", ".join(backend.config.passes) or "none"
     log.info("dsv4_compile SGLang plugin active: --enable-torch-compile compiles DeepSeek-V4 with "
-             "the dsv4 backend (passes: %s; dynamic=False; inductor CUDA graphs off)", passes)
+             "the dsv4 backend (passes: %s; dynamic=False; inductor CUDA graphs off); "
+             "DeepSeek-V4 FP4 MoE on sm_120 runs dsv4::fp4_moe", passes)

@@ -1,0 +1,204 @@
+"""SGLang plugin part: DeepSeek-V4's FP4 MoE on sm_120 runs `torch.ops.dsv4.fp4_moe`.
+
+On an sm_120 GPU, SGLang 0.5.23 sends DeepSeek-V4's FP4 experts to FlashInfer kernels:
+- native MXFP4 experts (`Fp8Config` with `is_fp4_experts`, runner `flashinfer_mxfp4`) go to
+  `Mxfp4FlashinferCutlassMoEMethod` (it refuses to build without FlashInfer);
+- a hybrid FP8 + NVFP4 checkpoint (`HybridFp8NvFp4Config`) sends the target's MoE to
+  `ModelOptNvFp4FusedMoEMethod`, which picks FLASHINFER_TRTLLM on every Blackwell major, and the
+  MTP/NextN draft's MXFP4 MoE (the NVFP4-excluded layers) to `Mxfp4FlashinferTrtllmMoEMethod`
+  (`trtllm_fp4_block_scale_moe`). FlashInfer's TRT-LLM cubins target sm_100a/sm_103a.
+
+AROUND hooks on `Fp8Config.get_quant_method` and `HybridFp8NvFp4Config.get_quant_method` return
+`Dsv4Fp4MoEMethod` instead in exactly those cases, before SGLang builds its FlashInfer method.
+The conditions mirror SGLang's own selection (fp8.py:397-473, modelopt_quant.py:1747-1764) plus:
+the device is sm_120 (`get_platform().is_sm120`, the fact SGLang's selection reads), the
+config belongs to a DeepSeek-V4 model (`is_dsv4_fp4_experts`, set by SGLang's loader from the
+model's architecture) and the all-to-all backend is not MegaMoE. Every other case calls
+SGLang's original.
+
+Weights keep SGLang's storage (its own `create_weights` and loaders), in the checkpoint layout:
+- MXFP4: `w13_weight` int8 [E, 2I, K/2] (rows [0, I) gate, [I, 2I) up), `w2_weight` int8
+  [E, K, I/2], `w*_weight_scale_inv` float8_e8m0fnu [E, rows, cols/32], as SGLang's CUTLASS
+  method stores them. The op gets uint8 views of all four: no repacking.
+- NVFP4: `w13_weight` uint8 [E, 2I, K/2], `w*_weight_scale` e4m3 [E, rows, cols/16] (views),
+  `w13_weight_scale_2` [E, 2] f32 (gate, up) and `w2_weight_scale_2` [E] f32. At load the op's
+  one w13 global scale per expert replaces `w13_weight_scale_2` (an [E] f32 copy), which needs
+  gate and up to share it; the swizzled block-scale copies SGLang allocates are freed.
+  Activations stay bf16 (W4A16), so the checkpoint's input scales are not used.
+
+The routed scaling factor is folded into the top-k weights (`fuse_routed_scaling_factor_in_topk`),
+as the op expects final routing weights.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+
+import dsv4_compile.kernels.fp4_moe  # noqa: F401  (registers torch.ops.dsv4.fp4_moe)
+
+log = logging.getLogger("dsv4_compile")
+
+RUNNER_BACKEND_NAME = "dsv4_fp4_moe"
+FP8_CONFIG_TARGET = "sglang.srt.layers.quantization.fp8.Fp8Config.get_quant_method"
+HYBRID_CONFIG_TARGET = "sglang.srt.layers.quantization.modelopt_quant.HybridFp8NvFp4Config.get_quant_method"
+
+
+class Dsv4Fp4MoEMethod:
+    """An SGLang FusedMoE quant method whose `apply` runs `torch.ops.dsv4.fp4_moe`.
+
+    `weights_method` is the SGLang method whose `create_weights` (and weight loaders) this one
+    reuses: `Fp8MoEMethod` for "mxfp4", `ModelOptNvFp4FusedMoEMethod` for "nvfp4".
+    """
+
+    fuse_routed_scaling_factor_in_topk = True
+    load_up_proj_weight_first = False  # the loaders keep w13 as [gate; up], the op's layout
+
+    def __init__(self, fmt: str, weights_method: Any, prefix: str):
+        if fmt not in ("mxfp4", "nvfp4"):
+            raise ValueError(f"Dsv4Fp4MoEMethod: fmt must be 'mxfp4' or 'nvfp4', got {fmt!r}")
+        self.fmt = fmt
+        self.prefix = prefix
+        self._weights_method = weights_method
+        if fmt == "nvfp4":
+            # The two switches SGLang's NVFP4 create_weights reads to store the TRT-LLM layout
+            # (padded I, [up; gate] rows, no swizzled scales); off, it stores the checkpoint layout.
+            weights_method.enable_flashinfer_trtllm_moe = False
+            weights_method.use_flashinfer_trtllm_weight_layout = False
+        self.runner = None
+        self.swiglu_limit: float | None = None
+
+    def create_weights(self, layer: torch.nn.Module, num_experts: int, hidden_size: int,
+                       intermediate_size_per_partition: int, params_dtype: torch.dtype,
+                       with_bias: bool = False, **extra_weight_attrs: Any) -> None:
+        """Registers SGLang's FP4 expert parameters on `layer` (shapes in the module docstring)."""
+        if with_bias:
+            raise ValueError(f"Dsv4Fp4MoEMethod ({self.prefix}): with_bias must be False; fp4_moe has no expert bias")
+        extra = {"fp4_scale_dtype": torch.float8_e8m0fnu} if self.fmt == "mxfp4" else {}
+        if self.fmt == "nvfp4":
+            # FusedMoE's loaders pick their NVFP4 path by the layout method's class; this is
+            # SGLang's hook for a wrapper that loads for another method (paged experts use it).
+            layer.weight_load_method = self._weights_method
+        self._weights_method.create_weights(layer, num_experts, hidden_size, intermediate_size_per_partition,
+                                            params_dtype, **extra, **extra_weight_attrs)
+
+    def create_moe_runner(self, layer: torch.nn.Module, moe_runner_config: Any) -> None:
+        """Checks the activation is fp4_moe's (gated SiLU, optional swiglu clamp); keeps the clamp."""
+        if moe_runner_config.activation != "silu" or not moe_runner_config.is_gated:
+            raise ValueError(f"Dsv4Fp4MoEMethod ({self.prefix}): activation must be gated 'silu', got "
+                             f"{moe_runner_config.activation!r} (is_gated={moe_runner_config.is_gated})")
+        for name in ("gemm1_alpha", "gemm1_clamp_limit"):
+            if getattr(moe_runner_config, name, None) is not None:
+                raise ValueError(f"Dsv4Fp4MoEMethod ({self.prefix}): {name} must be None; fp4_moe clamps with swiglu_limit")
+        self.moe_runner_config = moe_runner_config
+        self._weights_method.moe_runner_config = moe_runner_config  # read by its loader-layout properties
+        self.swiglu_limit = moe_runner_config.swiglu_limit
+
+    def get_moe_runner_backend(self, layer: torch.nn.Module) -> Any:
+        """A backend name registered with SGLang, so that none of its kernel-specific paths fire."""
+        from sglang.srt.layers.moe.utils import register_moe_runner_backend_name, resolve_moe_runner_backend
+
+        try:
+            return resolve_moe_runner_backend(RUNNER_BACKEND_NAME)
+        except ValueError:
+            register_moe_runner_backend_name(RUNNER_BACKEND_NAME)
+            return resolve_moe_runner_backend(RUNNER_BACKEND_NAME)
+
+    def get_moe_routing_method_type(self, layer: torch.nn.Module, requested_method: Any) -> Any:
+        return requested_method
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        """NVFP4 only: one w13 global scale per expert, and the swizzled scale copies freed."""
+        if self.fmt == "mxfp4":
+            return
+        scale_2 = layer.w13_weight_scale_2.data
+        if scale_2.ndim == 2:
+            if not torch.equal(scale_2[:, 0], scale_2[:, 1]):
+                raise ValueError(
+                    f"Dsv4Fp4MoEMethod ({self.prefix}): w13_weight_scale_2 differs between gate and up; "
+                    "fp4_moe takes one global scale per expert for w13 (set DSV4_COMPILE_DISABLE=1)")
+            scale_2 = scale_2[:, 0]
+        layer.w13_weight_scale_2 = torch.nn.Parameter(scale_2.float().contiguous(), requires_grad=False)
+        layer.w13_blockscale_swizzled = None
+        layer.w2_blockscale_swizzled = None
+
+    def expert_tensors(self, layer: torch.nn.Module) -> dict[str, Any]:
+        """The op's weight arguments, as views of `layer`'s parameters (see the module docstring)."""
+        if self.fmt == "mxfp4":
+            return dict(w13=layer.w13_weight.view(torch.uint8), w13_scale=layer.w13_weight_scale_inv.view(torch.uint8),
+                        w2=layer.w2_weight.view(torch.uint8), w2_scale=layer.w2_weight_scale_inv.view(torch.uint8),
+                        fmt="mxfp4", w13_global=None, w2_global=None)
+        return dict(w13=layer.w13_weight.view(torch.uint8), w13_scale=layer.w13_weight_scale,
+                    w2=layer.w2_weight.view(torch.uint8), w2_scale=layer.w2_weight_scale,
+                    fmt="nvfp4", w13_global=layer.w13_weight_scale_2, w2_global=layer.w2_weight_scale_2)
+
+    def apply(self, layer: torch.nn.Module, dispatch_output: Any) -> Any:
+        """hidden_states [M, K] bf16 and a standard top-k output -> StandardCombineInput([M, K])."""
+        from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
+        from sglang.srt.layers.moe.topk import TopKOutputChecker
+
+        topk_output = dispatch_output.topk_output
+        if not TopKOutputChecker.format_is_standard(topk_output):
+            raise ValueError(f"Dsv4Fp4MoEMethod ({self.prefix}): needs the standard top-k output, got {topk_output.format}")
+        out = torch.ops.dsv4.fp4_moe(
+            dispatch_output.hidden_states, topk_output.topk_ids.to(torch.int32), topk_output.topk_weights.float(),
+            swiglu_limit=self.swiglu_limit, **self.expert_tensors(layer))
+        return StandardCombineInput(hidden_states=out)
+
+
+def _sm120_dsv4_fused_moe(config: Any, layer: torch.nn.Module) -> bool:
+    """The cases common to both hooks: an sm_120 device, a DeepSeek-V4 config, a FusedMoE layer."""
+    from sglang.srt.layers.moe.fused_moe_triton import FusedMoE
+    from sglang.srt.layers.moe.utils import get_moe_a2a_backend
+    from sglang.srt.runtime_context import get_platform
+
+    return (bool(get_platform().is_sm120) and getattr(config, "is_dsv4_fp4_experts", False)
+            and isinstance(layer, FusedMoE) and not get_moe_a2a_backend().is_megamoe())
+
+
+def _mxfp4_method(config: Any, prefix: str) -> Dsv4Fp4MoEMethod:
+    from sglang.srt.layers.quantization.fp8 import Fp8MoEMethod
+
+    return Dsv4Fp4MoEMethod("mxfp4", Fp8MoEMethod(config), prefix)
+
+
+def fp8_config_get_quant_method(original: Callable, config: Any, layer: torch.nn.Module, prefix: str) -> Any:
+    """AROUND hook on Fp8Config.get_quant_method: DeepSeek-V4's MXFP4 experts on sm_120 (where
+    SGLang picks FlashInfer's CUTLASS method for runner flashinfer_mxfp4) -> Dsv4Fp4MoEMethod."""
+    from sglang.srt.layers.moe.utils import get_moe_runner_backend
+    from sglang.srt.layers.quantization.utils import is_layer_skipped
+
+    if (_sm120_dsv4_fused_moe(config, layer) and config.is_fp4_experts and not config.dequant_fp4_to_fp8
+            and get_moe_runner_backend().is_flashinfer_mxfp4()
+            and not is_layer_skipped(prefix, config.ignored_layers, fused_mapping=config.packed_modules_mapping)):
+        log.debug("dsv4_compile: %s MXFP4 experts -> dsv4::fp4_moe", prefix)
+        return _mxfp4_method(config, prefix)
+    return original(config, layer, prefix)
+
+
+def hybrid_config_get_quant_method(original: Callable, config: Any, layer: torch.nn.Module, prefix: str) -> Any:
+    """AROUND hook on HybridFp8NvFp4Config.get_quant_method, on sm_120 for DeepSeek-V4:
+    NVFP4 experts that SGLang would run with TRT-LLM, and the MXFP4 experts of NVFP4-excluded
+    (MTP/NextN draft) layers, which SGLang always sends to TRT-LLM -> Dsv4Fp4MoEMethod."""
+    from sglang.srt.layers.moe.utils import get_moe_runner_backend
+    from sglang.srt.layers.quantization.modelopt_quant import ModelOptNvFp4FusedMoEMethod
+
+    if _sm120_dsv4_fused_moe(config, layer):
+        if not config.nvfp4_config.is_layer_excluded(prefix):
+            backend = get_moe_runner_backend()
+            if backend.is_auto() or backend.is_flashinfer_trtllm() or backend.is_flashinfer_trtllm_routed():
+                log.debug("dsv4_compile: %s NVFP4 experts -> dsv4::fp4_moe", prefix)
+                return Dsv4Fp4MoEMethod("nvfp4", ModelOptNvFp4FusedMoEMethod(config.nvfp4_config), prefix)
+        elif config.is_fp4_experts:
+            log.debug("dsv4_compile: %s MXFP4 draft experts -> dsv4::fp4_moe", prefix)
+            return _mxfp4_method(config, prefix)
+    return original(config, layer, prefix)
+
+
+def register_moe_hooks() -> None:
+    """Registers both AROUND hooks with SGLang's HookRegistry (applied by its load_plugins())."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(FP8_CONFIG_TARGET, fp8_config_get_quant_method, HookType.AROUND)
+    HookRegistry.register(HYBRID_CONFIG_TARGET, hybrid_config_get_quant_method, HookType.AROUND)

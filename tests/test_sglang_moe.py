@@ -1,0 +1,309 @@
+"""The SGLang plugin's FP4 MoE routing (dsv4_compile/integrations/sglang_moe.py), against the real
+sglang==0.5.23 package: its quantization configs, FusedMoE layer, weight loaders, dispatcher and
+plugin loader.
+
+The device architecture is faked only where SGLang's MoE-method selection reads it: its platform
+facts (`get_platform().is_sm90/is_sm100/is_sm120/is_blackwell`), set with SGLang's own scoped
+`override_platform`. Nothing else of SGLang is replaced.
+"""
+import importlib
+import importlib.machinery
+import sys
+import types
+from collections import defaultdict
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+# dsv4_compile before sglang (see tests/test_sglang_plugin.py: transformers' hub-kernels check).
+from dsv4_compile import fp4
+from dsv4_compile.integrations import sglang as plugin
+from dsv4_compile.integrations import sglang_moe
+from dsv4_compile.kernels.fp4_moe import fp4_moe_reference
+
+pytest.importorskip("sglang", reason="needs sglang")
+
+pytestmark = pytest.mark.sglang
+
+EXPERTS, HIDDEN, INTER, TOP_K, TOKENS = 8, 128, 128, 2, 5  # 128: SGLang's FP8 block size
+SWIGLU_LIMIT = 0.5  # clamps part of the gate/up values of these weights
+TARGET_PREFIX = "model.layers.3.mlp.experts"
+DRAFT_PREFIX = "model.decoder.mlp.experts"  # SGLang's NextN name for the MTP layer
+DRAFT_EXCLUDE = ["model.decoder*"]  # the NVFP4 checkpoint leaves the draft's MXFP4 experts out
+
+ARCH = {
+    "sm_120": dict(is_sm90=False, is_sm100=False, is_sm120=True, is_blackwell=True),
+    "sm_100": dict(is_sm90=False, is_sm100=True, is_sm120=False, is_blackwell=True),
+    "sm_90": dict(is_sm90=True, is_sm100=False, is_sm120=False, is_blackwell=False),
+}
+
+
+@contextmanager
+def _torchvision_placeholder():
+    """torchvision in sys.modules while SGLang's quantization modules import; restored after.
+
+    Their import goes through sglang.srt.configs, whose multimodal configs (internvl_utils,
+    deepseek_ocr) import torchvision.transforms at module level. torchvision cannot be installed
+    next to the CPU torch wheel (its C++ ops do not load), and it is only used by SGLang's image
+    preprocessing, never by the MoE code under test; the placeholder only answers those imports.
+    """
+    class InterpolationMode:  # the one name the configs import from torchvision.transforms
+        BICUBIC = "bicubic"
+
+    saved = {name: module for name, module in sys.modules.items() if name.split(".")[0] == "torchvision"}
+    for name in ("torchvision", "torchvision.transforms", "torchvision.transforms.functional"):
+        placeholder = types.ModuleType(name)
+        placeholder.__spec__ = importlib.machinery.ModuleSpec(name, None)
+        placeholder.__path__ = []
+        placeholder.InterpolationMode = InterpolationMode
+        sys.modules[name] = placeholder
+    try:
+        yield
+    finally:
+        for name in [n for n in sys.modules if n.split(".")[0] == "torchvision"]:
+            del sys.modules[name]
+        sys.modules.update(saved)
+
+
+@pytest.fixture(scope="module")
+def sg():
+    """SGLang's modules under test."""
+    from transformers.utils import is_torchvision_available
+
+    is_torchvision_available()  # cached as False before the placeholder exists
+    names = dict(
+        fp8="sglang.srt.layers.quantization.fp8",
+        modelopt="sglang.srt.layers.quantization.modelopt_quant",
+        mxfp4_trtllm="sglang.srt.layers.quantization.mxfp4_flashinfer_trtllm_moe",
+        fused_moe="sglang.srt.layers.moe.fused_moe_triton",
+        moe_utils="sglang.srt.layers.moe.utils",
+        topk="sglang.srt.layers.moe.topk",
+        dispatcher="sglang.srt.layers.moe.token_dispatcher",
+        runtime="sglang.srt.runtime_context",
+        server_args="sglang.srt.server_args",
+        plugins="sglang.srt.plugins",
+        hooks="sglang.srt.plugins.hook_registry",
+        compile_decoration="sglang.srt.compilation.torch_compile_decoration",
+    )
+    with _torchvision_placeholder():
+        try:
+            return types.SimpleNamespace(**{key: importlib.import_module(name) for key, name in names.items()})
+        except ImportError as error:
+            pytest.skip(f"SGLang's quantization modules need {error.name}: pip install -r tests/requirements-sglang.txt")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny model config for SGLang's ServerArgs: its runtime context needs one to resolve; the
+    MoE layers under test are built directly."""
+    from transformers import LlamaConfig
+
+    path = tmp_path_factory.mktemp("sglang_model")
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=2, vocab_size=128, architectures=["LlamaForCausalLM"]).save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def plugin_loaded(sg, monkeypatch):
+    """SGLang's load_plugins() has run our entry point; hooks and hooked classes restored afterwards."""
+    registry = sg.hooks.HookRegistry
+    monkeypatch.setattr(sg.plugins, "_plugins_loaded", False)
+    monkeypatch.setattr(registry, "_hooks", defaultdict(list))
+    monkeypatch.setattr(registry, "_patched", set())
+    monkeypatch.setattr(sg.compile_decoration, "patch_model", sg.compile_decoration.patch_model)
+    hooked = {cls: cls.__dict__["get_quant_method"] for cls in (sg.fp8.Fp8Config, sg.modelopt.HybridFp8NvFp4Config)}
+    for cls, original in hooked.items():
+        monkeypatch.setattr(cls, "get_quant_method", original)
+    monkeypatch.setattr(plugin, "active_backend", None)
+    for name in ("SGLANG_PLUGINS", "SGLANG_PLATFORM", plugin.DISABLE_ENV):
+        monkeypatch.delenv(name, raising=False)
+    sg.plugins.load_plugins()
+    for cls, original in hooked.items():  # our AROUND hooks now wrap SGLang's selection
+        assert cls.__dict__["get_quant_method"].__wrapped__ is original
+
+
+@contextmanager
+def sglang_runtime(sg, model_dir, moe_runner_backend):
+    """SGLang's runtime context for one rank, with --moe-runner-backend `moe_runner_backend`."""
+    args = sg.server_args.ServerArgs(model_path=str(model_dir), device="cpu", moe_runner_backend=moe_runner_backend)
+    context = sg.runtime.create_context(args, role="test", ranks=sg.runtime.SpawnRanks(world_rank=0))
+    with sg.runtime.use_context(context):
+        sg.moe_utils.initialize_moe_config()
+        yield
+
+
+def dsv4_fp8_config(sg, dsv4=True):
+    """DeepSeek-V4's FP8 config with native MXFP4 experts, as SGLang's loader sets it up."""
+    config = sg.fp8.Fp8Config(is_checkpoint_fp8_serialized=True, weight_block_size=[128, 128], is_fp4_experts=True)
+    config.is_dsv4_fp4_experts = dsv4  # the loader's is_deepseek_v4(hf_config)
+    return config
+
+
+def dsv4_hybrid_config(sg, dsv4=True):
+    """nvidia/DeepSeek-V4-*-NVFP4's hybrid config: NVFP4 target experts, MXFP4 draft experts."""
+    nvfp4 = sg.modelopt.ModelOptFp4Config(is_checkpoint_nvfp4_serialized=True, group_size=16,
+                                          exclude_modules=DRAFT_EXCLUDE)
+    return sg.modelopt.HybridFp8NvFp4Config(dsv4_fp8_config(sg, dsv4), nvfp4)
+
+
+def build_layer(sg, config, prefix):
+    """A real SGLang FusedMoE (bf16 activations) built on an sm_120 device."""
+    with sg.runtime.override_platform(**ARCH["sm_120"]):
+        return sg.fused_moe.FusedMoE(num_experts=EXPERTS, hidden_size=HIDDEN, intermediate_size=INTER, layer_id=0,
+                                     top_k=TOP_K, quant_config=config, prefix=prefix, swiglu_limit=SWIGLU_LIMIT,
+                                     params_dtype=torch.bfloat16)
+
+
+def selected(sg, config, layer, prefix, arch):
+    """SGLang's method selection for `layer` on `arch`: the method, or the error it raised."""
+    with sg.runtime.override_platform(**ARCH[arch]):
+        try:
+            return config.get_quant_method(layer, prefix)
+        except RuntimeError as error:
+            return error
+
+
+def assert_sglang_cutlass_choice(result):
+    # SGLang's own sm_90/sm_120 choice: FlashInfer's CUTLASS method, which FlashInfer must back.
+    assert isinstance(result, RuntimeError) and "Mxfp4FlashinferCutlassMoEMethod requires FlashInfer" in str(result)
+
+
+def test_dsv4_mxfp4_experts_selection(sg, model_dir, plugin_loaded):
+    config = dsv4_fp8_config(sg)
+    with sglang_runtime(sg, model_dir, "flashinfer_mxfp4"):  # SGLang's DSV4 default for MXFP4 experts
+        layer = build_layer(sg, config, TARGET_PREFIX)
+        assert isinstance(layer.quant_method, sglang_moe.Dsv4Fp4MoEMethod) and layer.quant_method.fmt == "mxfp4"
+        for prefix in (TARGET_PREFIX, DRAFT_PREFIX):  # the MTP draft's MoE shares the config
+            ours = selected(sg, config, layer, prefix, "sm_120")
+            assert isinstance(ours, sglang_moe.Dsv4Fp4MoEMethod) and ours.fmt == "mxfp4"
+            assert type(selected(sg, config, layer, prefix, "sm_100")) is sg.mxfp4_trtllm.Mxfp4FlashinferTrtllmMoEMethod
+            assert_sglang_cutlass_choice(selected(sg, config, layer, prefix, "sm_90"))
+        # Another model's FP4 experts keep SGLang's choice on sm_120.
+        assert_sglang_cutlass_choice(selected(sg, dsv4_fp8_config(sg, dsv4=False), layer, TARGET_PREFIX, "sm_120"))
+    with sglang_runtime(sg, model_dir, "triton"):  # a runner SGLang gives no FP4 method: its FP8 method
+        assert type(selected(sg, config, layer, TARGET_PREFIX, "sm_120")) is sg.fp8.Fp8MoEMethod
+
+
+@pytest.mark.parametrize("runner", ["flashinfer_trtllm_routed", "auto"])  # SGLang's DSV4-NVFP4 default, and auto
+def test_dsv4_nvfp4_target_and_mxfp4_draft_selection(sg, model_dir, plugin_loaded, runner):
+    config = dsv4_hybrid_config(sg)
+    with sglang_runtime(sg, model_dir, runner):
+        layer = build_layer(sg, config, TARGET_PREFIX)
+        assert isinstance(layer.quant_method, sglang_moe.Dsv4Fp4MoEMethod) and layer.quant_method.fmt == "nvfp4"
+        target = selected(sg, config, layer, TARGET_PREFIX, "sm_120")
+        draft = selected(sg, config, layer, DRAFT_PREFIX, "sm_120")
+        assert isinstance(target, sglang_moe.Dsv4Fp4MoEMethod) and target.fmt == "nvfp4"
+        assert isinstance(draft, sglang_moe.Dsv4Fp4MoEMethod) and draft.fmt == "mxfp4"
+        assert type(selected(sg, config, layer, TARGET_PREFIX, "sm_100")) is sg.modelopt.ModelOptNvFp4FusedMoEMethod
+        assert type(selected(sg, config, layer, DRAFT_PREFIX, "sm_100")) is sg.mxfp4_trtllm.Mxfp4FlashinferTrtllmMoEMethod
+        other_model = dsv4_hybrid_config(sg, dsv4=False)
+        assert type(selected(sg, other_model, layer, TARGET_PREFIX, "sm_120")) is sg.modelopt.ModelOptNvFp4FusedMoEMethod
+        assert type(selected(sg, other_model, layer, DRAFT_PREFIX, "sm_120")) is sg.mxfp4_trtllm.Mxfp4FlashinferTrtllmMoEMethod
+
+
+def random_checkpoint(fmt, seed, split_global=False):
+    """Random FP4 experts as a checkpoint stores them: {(expert, shard, suffix): tensor}, plus the
+    op-layout tensors [E, 2I, K/2] etc. that fp4_moe_reference takes.
+
+    NVFP4 gate and up share one global scale per expert unless `split_global`.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=gen) * 0.1
+    w2 = torch.randn(EXPERTS, HIDDEN, INTER, generator=gen) * 0.1
+    if fmt == "mxfp4":
+        (q13, s13), (q2, s2) = fp4.quantize_mxfp4(w13), fp4.quantize_mxfp4(w2)
+        g13 = g2 = None
+    else:
+        (q13, s13, g13), (q2, s2, g2) = fp4.quantize_nvfp4(w13), fp4.quantize_nvfp4(w2)
+    ckpt = {}
+    for e in range(EXPERTS):
+        for shard, rows in (("w1", slice(0, INTER)), ("w3", slice(INTER, 2 * INTER)), ("w2", slice(None))):
+            q, s = (q13, s13) if shard != "w2" else (q2, s2)
+            if fmt == "mxfp4":  # DeepSeek-V4: int8-packed e2m1, ue8m0 scales
+                ckpt[e, shard, "weight"] = q[e, rows].view(torch.int8)
+                ckpt[e, shard, "weight_scale_inv"] = s[e, rows].view(torch.float8_e8m0fnu)
+            else:  # ModelOpt NVFP4: uint8-packed e2m1, e4m3 block scales, f32 global and input scales
+                glob = (g13 if shard != "w2" else g2)[e]
+                ckpt[e, shard, "weight"] = q[e, rows]
+                ckpt[e, shard, "weight_scale"] = s[e, rows]
+                ckpt[e, shard, "weight_scale_2"] = glob * 2 if split_global and shard == "w3" else glob
+                ckpt[e, shard, "input_scale"] = torch.tensor(1.0)
+    op_layout = dict(w13=q13, w13_scale=s13, w2=q2, w2_scale=s2, fmt=fmt, w13_global=g13, w2_global=g2)
+    return ckpt, op_layout
+
+
+def load_checkpoint(layer, ckpt):
+    """Through FusedMoE.weight_loader, as SGLang's model loader calls it per checkpoint tensor."""
+    params = dict(layer.named_parameters())
+    for (expert, shard, suffix), tensor in ckpt.items():
+        param = params[("w2" if shard == "w2" else "w13") + "_" + suffix]
+        layer.weight_loader(param, tensor, f"experts.{expert}.{shard}.{suffix}", shard, expert)
+    layer.quant_method.process_weights_after_loading(layer)
+
+
+def run_layer(sg, layer, x, topk_ids, topk_weights):
+    """FusedMoE.forward_impl's path without its TP all-reduce: dispatch, quant_method.apply, combine."""
+    topk_output = sg.topk.StandardTopKOutput(topk_weights=topk_weights, topk_ids=topk_ids,
+                                             router_logits=torch.zeros(x.shape[0], EXPERTS))
+    dispatch_output = layer.dispatcher.dispatch(hidden_states=x, topk_output=topk_output)
+    return layer.dispatcher.combine(combine_input=layer.run_moe_core(dispatch_output))
+
+
+@pytest.mark.parametrize("fmt, make_config, prefix", [
+    ("mxfp4", dsv4_fp8_config, TARGET_PREFIX),
+    ("mxfp4", dsv4_hybrid_config, DRAFT_PREFIX),
+    ("nvfp4", dsv4_hybrid_config, TARGET_PREFIX),
+])
+def test_apply_matches_reference_on_sglang_loaded_weights(sg, model_dir, plugin_loaded, fmt, make_config, prefix):
+    runner = "flashinfer_mxfp4" if make_config is dsv4_fp8_config else "flashinfer_trtllm_routed"
+    with sglang_runtime(sg, model_dir, runner):
+        layer = build_layer(sg, make_config(sg), prefix)
+        method = layer.quant_method
+        assert isinstance(method, sglang_moe.Dsv4Fp4MoEMethod) and method.fmt == fmt
+        ckpt, op_layout = random_checkpoint(fmt, seed=11)
+        load_checkpoint(layer, ckpt)
+
+        tensors = method.expert_tensors(layer)
+        for name in ("w13", "w13_scale", "w2", "w2_scale"):  # what the op gets is SGLang's storage
+            assert torch.equal(tensors[name].view(torch.uint8), op_layout[name].view(torch.uint8)), name
+        scale_name = "w2_weight_scale_inv" if fmt == "mxfp4" else "w2_weight_scale"
+        assert tensors["w13"].data_ptr() == layer.w13_weight.data_ptr()  # views, not copies
+        assert tensors["w2_scale"].data_ptr() == getattr(layer, scale_name).data_ptr()
+
+        gen = torch.Generator().manual_seed(12)
+        x = torch.randn(TOKENS, HIDDEN, generator=gen).bfloat16()
+        topk_ids = torch.randint(0, EXPERTS, (TOKENS, TOP_K), generator=gen, dtype=torch.int32)
+        topk_ids[1, 0] = -1  # a choice on another rank
+        topk_weights = torch.rand(TOKENS, TOP_K, generator=gen) + 0.1
+        got = run_layer(sg, layer, x, topk_ids, topk_weights)
+
+    want = fp4_moe_reference(x, topk_ids, topk_weights, **op_layout, swiglu_limit=SWIGLU_LIMIT)
+    # Under the Triton interpreter (conftest) the op runs the kernel with f32 dots; the output is
+    # bf16, so the error is its rounding (2**-8 relative) plus summation order.
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    scale = want.float().abs().max()
+    assert scale > 0.1
+    assert (got.float() - want.float()).abs().max() <= 2e-2 * scale
+
+
+def test_nvfp4_gate_and_up_global_scales_must_match(sg, model_dir, plugin_loaded):
+    with sglang_runtime(sg, model_dir, "flashinfer_trtllm_routed"):
+        layer = build_layer(sg, dsv4_hybrid_config(sg), TARGET_PREFIX)
+        ckpt, _ = random_checkpoint("nvfp4", seed=13, split_global=True)
+        with pytest.raises(ValueError, match="w13_weight_scale_2 differs between gate and up"):
+            load_checkpoint(layer, ckpt)
+
+
+def test_bad_format_is_rejected():
+    with pytest.raises(ValueError, match="fmt must be 'mxfp4' or 'nvfp4'"):
+        sglang_moe.Dsv4Fp4MoEMethod("fp8", object(), TARGET_PREFIX)
+
+
+def test_other_activation_is_rejected(sg, model_dir, plugin_loaded):
+    with sglang_runtime(sg, model_dir, "flashinfer_mxfp4"), sg.runtime.override_platform(**ARCH["sm_120"]):
+        with pytest.raises(ValueError, match="activation must be gated 'silu', got 'gelu'"):
+            sg.fused_moe.FusedMoE(num_experts=EXPERTS, hidden_size=HIDDEN, intermediate_size=INTER, layer_id=0,
+                                  top_k=TOP_K, quant_config=dsv4_fp8_config(sg), prefix=TARGET_PREFIX,
+                                  activation="gelu", params_dtype=torch.bfloat16)
