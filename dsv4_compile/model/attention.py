@@ -144,7 +144,9 @@ class StaticAttention(nn.Module):
         batch, tokens, _ = hidden.shape
         keys, entry_ids = self.index_compressor(hidden, positions, rows, self.max_entries)
         table = page_table[rows]  # [B, pages]
-        page = torch.gather(table, 1, entry_ids.clamp(min=0) // INDEX_PAGE_SLOTS)
+        # int64: inductor's Triton scatter multiplies the loaded page id by the page stride in the
+        # id's own dtype, and past 2**31 / (64 * head_dim) pages an int32 product overflows.
+        page = torch.gather(table, 1, entry_ids.clamp(min=0) // INDEX_PAGE_SLOTS).long()
         trash_page = self.index_keys.shape[0] - 1
         page = torch.where(entry_ids >= 0, page, trash_page)
         self.index_keys[page, entry_ids.clamp(min=0) % INDEX_PAGE_SLOTS] = keys.to(self.index_keys.dtype)
