@@ -11,8 +11,9 @@ u[j] = max_t idx[b, t, j]; a token whose index differs from u[j] at position j (
 gets an extra online-softmax step over a masked load of only those lanes (masked lanes cost no
 memory traffic, but each such step costs a full M-row dot). The tile loop stops after the last
 tile holding a selected row of the program's tokens (HCA lists have -1 tails). For small grids
-the index positions are split across programs (split-K) and a combine kernel merges the partial
-(max, sum, acc) triples and adds the sink. Head blocks of one request each read the request's
+the index positions are split across programs (split-K): each split writes its normalised partial
+output and log-sum-exp (`dsv4::sparse_mla_partials`, whose reference is the spec of the split), and
+a combine kernel merges them and adds the sink. Head blocks of one request each read the request's
 tiles (the later ones from L2).
 
 Out-of-range indices (idx < 0 or idx >= number of rows of the pool) are treated as skip by both
@@ -21,7 +22,7 @@ the kernel and the reference: they are never read, and no host sync is needed to
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -30,7 +31,9 @@ import triton.language as tl
 from ._runtime import triton_runs_on
 
 LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
 SCALE_GROUP = 64  # nope dims per ue8m0 exponent in FP8 rows
+SPLIT_TILE = 32  # index positions per tile; split-K hands each split a run of whole tiles
 
 
 # ----------------------------------------------------------------------------- reference
@@ -98,6 +101,70 @@ def sparse_mla_reference(
     denom = weights.sum(dim=-1, keepdim=True)
     probs = torch.where(denom > 0, weights / denom, torch.zeros_like(weights))[..., :-1]
     return torch.einsum("bthk,btkd->bthd", probs, values).to(q.dtype)
+
+
+def split_of_positions(num_idx: int, num_extra: int, num_splits: int, device: torch.device) -> torch.Tensor:
+    """The split that owns each index position: [num_idx + num_extra] int64, main list first.
+
+    Each pool's positions form tiles of SPLIT_TILE (the main pool's tiles first, then the extra
+    pool's); split s owns tiles [s * per, (s + 1) * per) with per = max(1, ceil(tiles / num_splits)),
+    so trailing splits may own nothing.
+    """
+    tiles_main = -(-num_idx // SPLIT_TILE)
+    tiles = tiles_main + -(-num_extra // SPLIT_TILE)
+    per = max(1, -(-tiles // num_splits))
+    main = torch.arange(num_idx, device=device) // SPLIT_TILE
+    extra = tiles_main + torch.arange(num_extra, device=device) // SPLIT_TILE
+    return torch.cat([main, extra]) // per
+
+
+def sparse_mla_partials_reference(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    kv_scale: torch.Tensor | None,
+    idx: torch.Tensor,
+    extra_kv: torch.Tensor | None,
+    extra_kv_scale: torch.Tensor | None,
+    extra_idx: torch.Tensor | None,
+    scale: float,
+    num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The spec of one split-K pass, in f32 (arguments as `sparse_mla_reference`, no sink).
+
+    Returns out [B,T,H,S,D] f32 = softmax(scale * q.k) @ v over the selected rows at the
+    positions split s owns (`split_of_positions`), and lse [B,T,H,S] f32 = log(sum exp(scale * q.k))
+    over them; a split with no selected row gives zeros and -inf.
+    """
+    q32 = q.float()
+    logits, values = _pool_logits_and_values(q32, kv, kv_scale, idx, scale)
+    num_extra = 0
+    if extra_kv is not None:
+        e_logits, e_values = _pool_logits_and_values(q32, extra_kv, extra_kv_scale, extra_idx, scale)
+        logits = torch.cat([logits, e_logits], dim=-1)
+        values = torch.cat([values, e_values], dim=2)
+        num_extra = extra_idx.shape[2]
+    owner = split_of_positions(idx.shape[2], num_extra, num_splits, q.device)
+    mine = owner.view(1, -1) == torch.arange(num_splits, device=q.device).view(-1, 1)  # [S, K]
+    per_split = logits.unsqueeze(3).masked_fill(~mine, float("-inf"))  # [B, T, H, S, K]
+    lse = torch.logsumexp(per_split, dim=-1)
+    probs = torch.exp(per_split - torch.where(torch.isfinite(lse), lse, 0.0).unsqueeze(-1))
+    return torch.einsum("bthsk,btkd->bthsd", probs, values), lse
+
+
+def combine_partials_reference(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor | None,
+                               dtype: torch.dtype) -> torch.Tensor:
+    """The split-K combine: partials out [B,T,H,S,D] f32 and lse [B,T,H,S] f32, sink [H] f32 or
+    None -> [B,T,H,D] of `dtype`: sum_s w_s * out_s / (sum_s w_s + exp(sink)), w_s = exp(lse_s),
+    computed relative to the largest term; 0 where every term is 0."""
+    terms = lse
+    if sink is not None:
+        terms = torch.cat([lse, sink.float().view(1, 1, -1, 1).expand(*lse.shape[:3], 1)], dim=-1)
+    top = terms.amax(dim=-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    weights = torch.exp(terms - top)
+    denom = weights.sum(dim=-1, keepdim=True)
+    weights = torch.where(denom > 0, weights / denom, torch.zeros_like(weights))[..., : lse.shape[-1]]
+    return torch.einsum("bths,bthsd->bthd", weights, out).to(dtype)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -314,7 +381,7 @@ def _sparse_mla_fwd(
     idx_ptr, stride_ib, stride_it, stride_ik, num_idx,
     ekv_ptr, erope_ptr, escale_ptr, e_stride_row, e_stride_col, e_stride_rope_row, e_stride_scale_row,
     e_num_rows, eidx_ptr, e_stride_ib, e_stride_it, e_stride_ik, e_num_idx,
-    sink_ptr, out_ptr, part_ml_ptr, part_acc_ptr,
+    sink_ptr, out_ptr, part_lse_ptr, part_out_ptr,
     T, H, num_hblocks, num_tgroups, num_splits, tiles_per_split, qk_scale_log2,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NOPE: tl.constexpr, FP8: tl.constexpr,
     T_BLOCK: tl.constexpr, H_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -324,8 +391,8 @@ def _sparse_mla_fwd(
 ):
     """One program: T_BLOCK tokens x H_BLOCK heads of one request over one split of the tiles.
 
-    Writes the normalised output (SPLIT false) or the partial (max, sum) [B,T,H,S,2] and the
-    unnormalised acc [B,T,H,S,Dh] (SPLIT true; the combine kernel finishes).
+    Writes the normalised output (SPLIT false) or the split's normalised partial output
+    [B,T,H,S,Dh] f32 and its log-sum-exp [B,T,H,S] f32 (SPLIT true; a combine finishes).
     """
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -372,10 +439,11 @@ def _sparse_mla_fwd(
 
     bth = (b * T + tok) * H + head  # flat (b, t, h) of each row
     if SPLIT:
-        ml_off = (bth * num_splits + split) * 2
-        tl.store(part_ml_ptr + ml_off, m_i, mask=row_ok)
-        tl.store(part_ml_ptr + ml_off + 1, l_i, mask=row_ok)
-        tl.store(part_acc_ptr + (bth * num_splits + split)[:, None] * HEAD_DIM + offs_d[None, :], acc,
+        part = bth * num_splits + split
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=row_ok)
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc / l_safe[:, None],
                  mask=row_ok[:, None] & d_ok[None, :])
     else:
         if HAS_SINK:
@@ -394,27 +462,27 @@ def _sparse_mla_fwd(
 
 
 @triton.jit
-def _sparse_mla_combine(part_ml_ptr, part_acc_ptr, sink_ptr, out_ptr, H, num_splits,
+def _sparse_mla_combine(part_lse_ptr, part_out_ptr, sink_ptr, out_ptr, H, num_splits,
                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
                         HAS_SINK: tl.constexpr):
-    """One program per (b, t, h): merges the split partials (log2 domain) and adds the sink."""
+    """One program per (b, t, h): merges the split partials (`combine_partials_reference`)."""
     bth = tl.program_id(0).to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
     s_ok = offs_s < num_splits
-    m_s = tl.load(part_ml_ptr + (bth * num_splits + offs_s) * 2, mask=s_ok, other=float("-inf"))
-    l_s = tl.load(part_ml_ptr + (bth * num_splits + offs_s) * 2 + 1, mask=s_ok, other=0.0)
-    m_all = tl.max(m_s, axis=0)
+    lse_s = tl.load(part_lse_ptr + bth * num_splits + offs_s, mask=s_ok, other=float("-inf"))
+    lse_s = lse_s * 1.4426950408889634
+    m_all = tl.max(lse_s, axis=0)
     if HAS_SINK:
         sink = tl.load(sink_ptr + bth % H) * 1.4426950408889634
         m_all = tl.maximum(m_all, sink)
     m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
-    w_s = tl.exp2(m_s - m_all)
-    denom = tl.sum(l_s * w_s, axis=0)
+    w_s = tl.exp2(lse_s - m_all)
+    denom = tl.sum(w_s, axis=0)
     if HAS_SINK:
         denom += tl.exp2(sink - m_all)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    acc_s = tl.load(part_acc_ptr + (bth * num_splits + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+    acc_s = tl.load(part_out_ptr + (bth * num_splits + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
                     mask=s_ok[:, None] & d_ok[None, :], other=0.0)
     out = tl.sum(acc_s * w_s[:, None], axis=0)
     out = tl.where(denom > 0, out / tl.where(denom > 0, denom, 1.0), 0.0)
@@ -457,7 +525,7 @@ def pick_config(batch: int, tokens: int, heads: int, head_dim: int, num_idx_tota
     h_block = min(triton.next_power_of_2(heads), max(1, max_rows // t_block))
     if t_block * h_block < 16:  # tl.dot needs M >= 16; the extra heads are masked
         h_block = 16 // t_block
-    block_n = 32
+    block_n = SPLIT_TILE
     num_tiles = max(1, triton.cdiv(num_idx_total, block_n))
     programs = batch * triton.cdiv(tokens, t_block) * triton.cdiv(heads, h_block)
     if num_splits is None:
@@ -491,27 +559,34 @@ class KernelLaunch:
 
 
 def plan_sparse_mla(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx, sink, scale,
-                    out: torch.Tensor, num_splits: int | None = None,
-                    config: LaunchConfig | None = None) -> list[KernelLaunch]:
+                    out: torch.Tensor | None, num_splits: int | None = None,
+                    config: LaunchConfig | None = None,
+                    partials: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[KernelLaunch]:
     """The launches (forward, then combine when split) that compute `out`; allocates split workspaces.
 
-    config overrides `pick_config` (for tuning).
+    config overrides `pick_config` (for tuning). partials = (out [B,T,H,S,Dh], lse [B,T,H,S]) f32
+    contiguous: only the forward, writing the S splits of `split_of_positions` there (out unused).
     """
     layout = _layout_of(q, kv, extra_kv)
     batch, tokens, heads, head_dim = q.shape
     num_extra = extra_idx.shape[2] if layout.has_extra else 0
     cfg = config or pick_config(batch, tokens, heads, head_dim, idx.shape[2] + num_extra, q.device, num_splits,
                                 layout.fp8)
+    if partials is not None:  # exactly the caller's S (pick_config caps S at the tile count)
+        cfg = replace(cfg, num_splits=partials[1].shape[3])
     block_d = triton.next_power_of_2(head_dim)
     num_tiles = triton.cdiv(idx.shape[2], cfg.block_n) + triton.cdiv(num_extra, cfg.block_n)
     tiles_per_split = max(1, triton.cdiv(num_tiles, cfg.num_splits))
-    split = cfg.num_splits > 1
-    if split:
-        part_ml = torch.empty((batch * tokens * heads * cfg.num_splits * 2,), dtype=torch.float32, device=q.device)
-        part_acc = torch.empty((batch * tokens * heads * cfg.num_splits * head_dim,), dtype=torch.float32,
+    split = cfg.num_splits > 1 or partials is not None
+    if partials is not None:
+        part_out, part_lse = partials
+        out = part_out
+    elif split:
+        part_lse = torch.empty((batch * tokens * heads * cfg.num_splits,), dtype=torch.float32, device=q.device)
+        part_out = torch.empty((batch * tokens * heads * cfg.num_splits * head_dim,), dtype=torch.float32,
                                device=q.device)
     else:
-        part_ml = part_acc = out
+        part_lse = part_out = out
     main = _pool_args(kv, kv_scale, layout)
     extra = _pool_args(extra_kv, extra_kv_scale, layout) if layout.has_extra else main
     eidx = extra_idx if layout.has_extra else idx
@@ -527,7 +602,7 @@ def plan_sparse_mla(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx, s
         (q, *q.stride(),
          *main, idx, *idx.stride(), idx.shape[2],
          *extra, eidx, *eidx.stride(), num_extra,
-         sink_arg, out, part_ml, part_acc,
+         sink_arg, out, part_lse, part_out,
          tokens, heads, num_hblocks, num_tgroups, cfg.num_splits, tiles_per_split, float(scale) * LOG2E),
         dict(HEAD_DIM=head_dim, BLOCK_D=block_d, NOPE=layout.nope, FP8=layout.fp8,
              T_BLOCK=cfg.t_block, H_BLOCK=cfg.h_block, BLOCK_N=cfg.block_n,
@@ -538,12 +613,12 @@ def plan_sparse_mla(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx, s
              INTERPRETED=not q.is_cuda, NUM_STAGES=cfg.num_stages,
              num_warps=cfg.num_warps, num_stages=cfg.num_stages),
     )
-    if not split:
+    if not split or partials is not None:
         return [fwd]
     combine = KernelLaunch(
         _sparse_mla_combine,
         (batch * tokens * heads,),
-        (part_ml, part_acc, sink_arg, out, heads, cfg.num_splits),
+        (part_lse, part_out, sink_arg, out, heads, cfg.num_splits),
         dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(cfg.num_splits),
              HAS_SINK=sink is not None, num_warps=4),
     )
@@ -569,6 +644,29 @@ def sparse_mla_triton(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx,
                                   out, num_splits, config):
         launch.kernel[launch.grid](*launch.args, **launch.meta)
     return out
+
+
+def sparse_mla_partials_triton(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx, scale,
+                               num_splits: int, *, out: torch.Tensor | None = None,
+                               lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launches the split-K forward only (arguments as `sparse_mla_partials_reference`).
+
+    out [B,T,H,S,Dh] / lse [B,T,H,S]: optional contiguous f32 tensors to write (tests pass them
+    poisoned). Inputs must already be validated. Returns (out, lse).
+    """
+    batch, tokens, heads, head_dim = q.shape
+    shapes = {"out": (batch, tokens, heads, num_splits, head_dim), "lse": (batch, tokens, heads, num_splits)}
+    given = {"out": out, "lse": lse}
+    for name, shape in shapes.items():
+        if given[name] is None:
+            given[name] = torch.empty(shape, dtype=torch.float32, device=q.device)
+        elif tuple(given[name].shape) != shape or given[name].dtype != torch.float32 or not given[name].is_contiguous():
+            raise ValueError(f"{name}: expected contiguous float32 {shape}")
+    partials = (given["out"], given["lse"])
+    for launch in plan_sparse_mla(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx, None, scale,
+                                  None, partials=partials):
+        launch.kernel[launch.grid](*launch.args, **launch.meta)
+    return partials
 
 
 def _layout_of(q, kv, extra_kv) -> _Layout:
@@ -608,3 +706,41 @@ def sparse_mla(
 @sparse_mla.register_fake
 def _sparse_mla_fake(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx, sink, scale):
     return q.new_empty(q.shape)
+
+
+def _check_num_splits(num_splits) -> None:
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= 1024:
+        raise ValueError(f"num_splits: expected an int in [1, 1024], got {num_splits!r}")
+
+
+@torch.library.custom_op("dsv4::sparse_mla_partials", mutates_args=())
+def sparse_mla_partials(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    kv_scale: torch.Tensor | None,
+    idx: torch.Tensor,
+    extra_kv: torch.Tensor | None,
+    extra_kv_scale: torch.Tensor | None,
+    extra_idx: torch.Tensor | None,
+    scale: float,
+    num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split-K half of dsv4::sparse_mla (no sink): see `sparse_mla_partials_reference`.
+
+    Returns out [B,T,H,S,Dh] f32 and lse [B,T,H,S] f32, S = num_splits; the inductor lowering of
+    dsv4::sparse_mla adds the combine (`combine_partials_reference`) as fusable inductor IR.
+    """
+    validate_sparse_mla_inputs(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx, None, scale)
+    _check_num_splits(num_splits)
+    if triton_runs_on(q):
+        return sparse_mla_partials_triton(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx, scale,
+                                          num_splits)
+    return sparse_mla_partials_reference(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx, scale,
+                                         num_splits)
+
+
+@sparse_mla_partials.register_fake
+def _sparse_mla_partials_fake(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx, scale, num_splits):
+    batch, tokens, heads, head_dim = q.shape
+    return (q.new_empty((batch, tokens, heads, num_splits, head_dim), dtype=torch.float32),
+            q.new_empty((batch, tokens, heads, num_splits), dtype=torch.float32))
