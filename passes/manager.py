@@ -18,7 +18,7 @@ PASS_MODULES: tuple[str, ...] = (
     "dsv4_compile.passes.fp4_moe",
 )
 # Each module exposes register() -> None, installing its inductor lowerings.
-LOWERING_MODULES: tuple[str, ...] = ("dsv4_compile.lowerings.fp4_moe",)
+LOWERING_MODULES: tuple[str, ...] = ("dsv4_compile.lowerings.fp4_moe", "dsv4_compile.lowerings.indexer")
 
 _PACKAGE_DIRS = ("passes", "lowerings", "kernels")
 
