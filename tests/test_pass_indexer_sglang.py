@@ -5,6 +5,7 @@ page), q [T, 1, 64, 128] fp8, weights [T, 64] f32, one length per row (verify = 
 physical slots out (page_table[b, i >> 6] << 6 | i & 63, -1 for none).
 """
 import re
+import types
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.utils import run_and_get_code
 
 from dsv4_compile.backend import Dsv4Backend
+from dsv4_compile.integrations.sglang_aranges import trace_sglang_aranges
 from dsv4_compile.passes import indexer
 from dsv4_compile.passes.manager import PassConfig
 from dsv4_compile.passes.report import PassReport
@@ -26,17 +28,13 @@ DIM, PAGE = 128, 64
 
 @pytest.fixture
 def sgl():
-    """SGLang's functions with an empty `_arange_cache` (see test_filled_arange_cache_declined)."""
+    """SGLang's functions, with `_arange_cache` made to always miss as the plugin must do (see
+    dsv4_compile/integrations/sglang_aranges.py and test_filled_arange_cache_declined)."""
     functions = sglang_indexer_functions()
-    functions.__globals__["_arange_cache"].clear()
+    holder = types.SimpleNamespace(_arange_cache={})
+    trace_sglang_aranges(holder)
+    functions.__globals__["_arange_cache"] = holder._arange_cache
     return functions
-
-
-def empty_arange_cache(sgl):
-    """SGLang caches its aranges in a module dict; a compiled call stores them there too, and a
-    filled cache fails the compiled graph's guard (recompile with the aranges as inputs). Each
-    compiled call here starts from an empty cache so it reuses the rewritten graph."""
-    sgl.__globals__["_arange_cache"].clear()
 
 
 def sglang_step(sgl, q, cache, weights, lens, page_table, topk):
@@ -125,12 +123,13 @@ def test_sglang_form_rewritten_and_matches_sglang(sgl, requests, draft):
     topk = 32
     fn = lambda *a: sglang_step(sgl, *a, topk)  # noqa: E731
     compiled, report, hook = compile_with_pass(fn)
-    for seed in range(2):  # the second call reuses the compiled graph on fresh data
+    for seed in range(3):  # fresh data; eager SGLang calls in between
         args = sglang_inputs(requests, draft, seed)
-        empty_arange_cache(sgl)
         got = compiled(*args)
         assert_same_selection(got, fn(*args), *args)
-    assert report.count(indexer.PASS_NAME) == 1
+    # The first call stores its aranges in the cache; dynamo guards the dict's keys, so the
+    # second call recompiles once. Every graph is rewritten.
+    assert 1 <= report.count(indexer.PASS_NAME) == len(report.records) <= 2
     assert torch.ops.dsv4.indexer_topk_physical.default in hook.ops_after
     assert torch.ops.aten.topk.default not in hook.ops_after
     assert torch.ops.aten.bmm.default not in hook.ops_after
@@ -176,9 +175,7 @@ def test_other_forms_declined(sgl, change, reason):
     compiled, report, hook = compile_with_pass(fn)
     args = sglang_inputs(2, 1, seed=3, heads=change.get("heads", 8),
                          n_pages=change.get("n_pages", 4), pool=change.get("n_pages", 4) + 2)
-    got = compiled(*args)
-    empty_arange_cache(sgl)
-    assert torch.equal(got.sort(-1).values, fn(*args).sort(-1).values)  # untouched
+    assert torch.equal(compiled(*args).sort(-1).values, fn(*args).sort(-1).values)  # untouched
     assert report.count(indexer.PASS_NAME) == 0
     assert torch.ops.dsv4.indexer_topk_physical.default not in hook.ops_after
     (record,) = [r for r in report.records if r.pass_name == indexer.PASS_NAME]
@@ -186,9 +183,10 @@ def test_other_forms_declined(sgl, change, reason):
 
 
 def test_filled_arange_cache_declined(sgl):
-    """Once SGLang's module-level `_arange_cache` holds the slot aranges (any eager call fills
-    it), dynamo passes them as graph inputs: the slot numbers are unknown to the pass, which
-    declines with that reason instead of guessing."""
+    """With SGLang's own `_arange_cache` (a plain dict) filled by an eager call, dynamo passes
+    the cached aranges as graph inputs: the slot numbers are unknown to the pass, which declines
+    with that reason instead of guessing."""
+    sgl.__globals__["_arange_cache"] = {}
     fn = lambda *a: sglang_step(sgl, *a, 16)  # noqa: E731
     args = sglang_inputs(2, 1, seed=4, heads=8)
     want = fn(*args)  # fills the cache
