@@ -278,6 +278,8 @@ class SglangMatch:
                                              (shape(self.page_table)[0], rows))),
                 "query, weights, lens and page table disagree on the rows")
         require(equal(shape(self.weights)[1], heads), "weights are not [T, H]")
+        require(all(equal(a, b) for a, b in zip(shape(self.bmm), (rows, self.slots, heads))),
+                "logits are not [T, S, H]")
         require(not isinstance(heads, torch.SymInt) and kernel.MIN_HEADS <= heads <= kernel.MAX_HEADS,
                 f"heads {heads} not in [{kernel.MIN_HEADS}, {kernel.MAX_HEADS}]")
         require(1 <= self.k <= kernel.MAX_TOPK, f"topk {self.k} > {kernel.MAX_TOPK}"
@@ -287,7 +289,7 @@ class SglangMatch:
 
 
 def _users_through(node: Node, allowed) -> list[Node]:
-    """The users of `node`, looking through single-user chains of ops in `allowed`."""
+    """The users of `node`, looking through users that are ops in `allowed`."""
     out = []
     for user in node.users:
         out += _users_through(user, allowed) if is_call(user, *allowed) else [user]

@@ -81,10 +81,12 @@ SGLANG_INDEXER = "sglang.srt.layers.attention.dsv4.indexer"
 
 @functools.cache
 def sglang_indexer_functions() -> types.SimpleNamespace:
-    """SGLang 0.5.23's torch indexer fallback: `fp8_paged_mqa_logits_torch` (scores [T, S] f32)
-    and `topk_transform_pytorch_vectorized` (its torch top-k transform to physical slots).
+    """SGLang 0.5.23's torch indexer fallback: the scorers `fp8_paged_mqa_logits_torch` and
+    `fp8_paged_mqa_logits_torch_sm120` (the one SGLang picks on sm_120; scores [T, S] f32) and
+    `topk_transform_pytorch_vectorized` (its torch top-k transform to physical slots).
     FP8_DTYPE is e4m3fn (CUDA; the module picks fnuz only on ROCm). Loaded once per process:
     dynamo keys a function's globals by module name, so a second copy would confuse its guards."""
     return load_functions(SGLANG_INDEXER, ("fp8_paged_mqa_logits_torch",
+                                           "fp8_paged_mqa_logits_torch_sm120",
                                            "topk_transform_pytorch_vectorized"),
                           FP8_DTYPE=torch.float8_e4m3fn)

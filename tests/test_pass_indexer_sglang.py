@@ -1,6 +1,6 @@
-"""passes/indexer.py on SGLang 0.5.23's own torch indexer: `fp8_paged_mqa_logits_torch` followed
-by `topk_transform_pytorch_vectorized`, run from the installed package (tests/sglang_source.py),
-in SGLang's layouts: cache [pages, 64 * 132] uint8 (64 x 128 fp8 values, then 64 f32 scales per
+"""passes/indexer.py on SGLang 0.5.23's own torch indexer: `fp8_paged_mqa_logits_torch` (or its
+`_sm120` variant) followed by `topk_transform_pytorch_vectorized`, run from the installed
+package (tests/sglang_source.py), in SGLang's layouts: cache [pages, 64 * 132] uint8 (64 x 128 fp8 values, then 64 f32 scales per
 page), q [T, 1, 64, 128] fp8, weights [T, 64] f32, one length per row (verify = bs x draft rows),
 physical slots out (page_table[b, i >> 6] << 6 | i & 63, -1 for none).
 """
@@ -37,11 +37,11 @@ def sgl():
     return functions
 
 
-def sglang_step(sgl, q, cache, weights, lens, page_table, topk):
-    """SGLang's call sequence (forward_c4_indexer with the torch scorer and torch top-k)."""
+def sglang_step(sgl, q, cache, weights, lens, page_table, topk, scorer="fp8_paged_mqa_logits_torch"):
+    """SGLang's call sequence (forward_c4_indexer with a torch scorer and the torch top-k)."""
     kv = cache.view(cache.shape[0], PAGE, 1, DIM + 4)
-    logits = sgl.fp8_paged_mqa_logits_torch(q, kv, weights, lens, page_table, None,
-                                            page_table.shape[1] * PAGE, False)
+    logits = getattr(sgl, scorer)(q, kv, weights, lens, page_table, None,
+                                  page_table.shape[1] * PAGE, False)
     out = torch.full((q.shape[0], topk), -1, dtype=torch.int32)
     sgl.topk_transform_pytorch_vectorized(logits, lens, page_table, out, PAGE)
     return out
@@ -118,10 +118,11 @@ def compile_with_pass(fn):
                          options={"post_grad_custom_post_pass": hook}), report, hook
 
 
+@pytest.mark.parametrize("scorer", ["fp8_paged_mqa_logits_torch", "fp8_paged_mqa_logits_torch_sm120"])
 @pytest.mark.parametrize("requests, draft", [(4, 1), (3, 4)])  # decode, verify (bs x draft rows)
-def test_sglang_form_rewritten_and_matches_sglang(sgl, requests, draft):
+def test_sglang_form_rewritten_and_matches_sglang(sgl, requests, draft, scorer):
     topk = 32
-    fn = lambda *a: sglang_step(sgl, *a, topk)  # noqa: E731
+    fn = lambda *a: sglang_step(sgl, *a, topk, scorer)  # noqa: E731
     compiled, report, hook = compile_with_pass(fn)
     for seed in range(3):  # fresh data; eager SGLang calls in between
         args = sglang_inputs(requests, draft, seed)
@@ -194,3 +195,33 @@ def test_filled_arange_cache_declined(sgl):
     assert torch.equal(compiled(*args).sort(-1).values, want.sort(-1).values)
     (record,) = report.records
     assert not record.matched and "slot numbers unknown at compile time" in record.reason
+
+
+def test_head_dim_other_than_128_declined(sgl):
+    """SGLang's scorers assert D == 128, so this scorer is written here: the same paged layout
+    with D = 64 (pages of 64 x 68 B), followed by SGLang's own top-k transform."""
+    dim, topk = 64, 16
+
+    def fn(q, cache, weights, lens, page_table):
+        rows, n_pages = page_table.shape
+        pages = cache[page_table.clamp(min=0)]
+        keys = pages[..., :PAGE * dim].contiguous().view(torch.float8_e4m3fn).to(torch.bfloat16)
+        scale = pages[..., PAGE * dim:].contiguous().view(torch.float32).reshape(rows, -1)
+        logits = torch.bmm(keys.reshape(rows, n_pages * PAGE, dim),
+                           q[:, 0].to(torch.bfloat16).transpose(1, 2))
+        scores = (torch.relu(logits) * weights.unsqueeze(1)).sum(dim=2) * scale
+        out = torch.full((rows, topk), -1, dtype=torch.int32)
+        sgl.topk_transform_pytorch_vectorized(scores, lens, page_table, out, PAGE)
+        return out
+
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 1, 8, dim, generator=gen).to(torch.float8_e4m3fn)
+    values = torch.randn(4, PAGE * dim, generator=gen).to(torch.float8_e4m3fn).view(torch.uint8)
+    scales = (torch.rand(4, PAGE, generator=gen) + 0.5).view(torch.uint8)
+    args = (q, torch.cat([values, scales], dim=1), torch.randn(2, 8, generator=gen),
+            torch.tensor([10, 200], dtype=torch.int32), torch.tensor([[3, 1, 0, 2]] * 2).int())
+    compiled, report, hook = compile_with_pass(fn)
+    assert torch.equal(compiled(*args).sort(-1).values, fn(*args).sort(-1).values)
+    assert torch.ops.dsv4.indexer_topk_physical.default not in hook.ops_after
+    (record,) = report.records
+    assert not record.matched and "head dim 64 != 128" in record.reason, record.reason
