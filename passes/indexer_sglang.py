@@ -79,12 +79,13 @@ def _hidden(cond: Node, size) -> Node:
     return lens.args[0]
 
 
-def _slice(node: Node, dim_size) -> tuple[Node, int, int]:
-    """node = slice(src, last dim, start, end) -> (src, start, end clamped to dim_size)."""
+def _slice(node: Node) -> tuple[Node, int, int]:
+    """node = slice(src, last dim, start, end) -> (src, start, end clamped to the dim's size)."""
     require(is_call(node, aten.slice.Tensor), "the page is not sliced into values and scales")
     src, dim, start, end = (list(node.args) + [0, None, None])[:4]
     require(dim in (-1, len(shape(src)) - 1), "the page is sliced along another dim")
-    end = dim_size if end is None else min(end, dim_size)
+    size = shape(src)[-1]
+    end = size if end is None else min(end, size)
     return src, start or 0, end
 
 
@@ -217,9 +218,11 @@ class SglangMatch:
         require(len(gathers) == 1 and gathers[0].args[1] in (1, -1),
                 "page numbers do not index the page table")
         self.page_table = gathers[0].args[0]
-        (page,) = gathers[0].users
-        require(is_call(page, aten.__lshift__.Scalar, aten.bitwise_left_shift.Tensor_Scalar)
-                and page.args[1] == bits, "physical pages are not shifted back by the page bits")
+        page = list(gathers[0].users)
+        require(len(page) == 1 and is_call(page[0], aten.__lshift__.Scalar,
+                                           aten.bitwise_left_shift.Tensor_Scalar)
+                and page[0].args[1] == bits, "physical pages are not shifted back by the page bits")
+        page = page[0]
         combined = [u for u in page.users if is_call(u, aten.bitwise_or.Tensor, aten.add.Tensor)]
         require(len(combined) == 1 and masks[0] in combined[0].args,
                 "physical page and offset are not combined")
@@ -240,8 +243,8 @@ class SglangMatch:
         keys, q_t = self.bmm.args
         values, self.value_dtype = _page_bytes(keys, (torch.float8_e4m3fn,), "keys")
         scales, _ = _page_bytes(self.kscale, (torch.float32,), "key scales")
-        pages, v_start, v_end = _slice(values, shape(values.args[0])[-1])
-        pages_s, s_start, s_end = _slice(scales, shape(scales.args[0])[-1])
+        pages, v_start, v_end = _slice(values)
+        pages_s, s_start, s_end = _slice(scales)
         require(pages is pages_s, "values and scales come from different page gathers")
         require(is_call(pages, aten.index.Tensor) and len(pages.args[1]) == 1,
                 "pages are not cache[page_table]")
