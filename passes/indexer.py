@@ -15,17 +15,20 @@ clamp(visible, 0, S).int(), k) (cast like `out`). The op's order of the top-k is
 Declines (recorded with the reason): another activation or reduction, a page size other than
 64, a head count or head dim the op does not take, topk > 2048, a topk over another dim, and a
 top-k whose values are used.
+
+A [T, S] top-k whose input hides slots >= lens with -inf is matched as SGLang's paged torch
+indexer instead (passes/indexer_sglang.py) and becomes dsv4::indexer_topk_physical.
 """
 from __future__ import annotations
 
 import logging
 import operator
 
-import sympy
 import torch
 from torch.fx import Graph, Node
 
 import dsv4_compile.kernels.indexer_topk as kernel
+from dsv4_compile.passes import fx_match, indexer_sglang
 
 logger = logging.getLogger("dsv4_compile")
 
@@ -34,48 +37,11 @@ PASS_NAME = "indexer"
 aten = torch.ops.aten
 prims = torch.ops.prims
 
-_RESHAPES = {aten.reshape.default, aten.view.default, aten._unsafe_view.default}
-_PASS_THROUGH = _RESHAPES | {aten.expand.default, aten.clone.default, aten.unsqueeze.default,
-                             prims.convert_element_type.default, aten.alias.default}
-
-
-class _Decline(Exception):
-    """Not the indexer form; the message is the reason recorded in the report."""
-
-
-def _val(node):
-    return node.meta.get("val") if isinstance(node, Node) else None
-
-
-def _shape(node) -> tuple:
-    val = _val(node)
-    if not isinstance(val, torch.Tensor):
-        raise _Decline(f"no shape recorded for {node}")
-    return tuple(val.shape)
-
-
-def _expr(size):
-    return size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(size)
-
-
-def _equal(a, b) -> bool:
-    """Sizes equal for every value of their symbols (static ints or SymInts)."""
-    return sympy.simplify(_expr(a) - _expr(b)) == 0
-
-
-def _is(node, *targets) -> bool:
-    return isinstance(node, Node) and node.op == "call_function" and node.target in targets
-
-
-def _strip(node: Node, allowed=_PASS_THROUGH) -> Node:
-    while _is(node, *allowed):
-        node = node.args[0]
-    return node
-
-
-def _require(cond: bool, reason: str) -> None:
-    if not cond:
-        raise _Decline(reason)
+_RESHAPES = fx_match.RESHAPES
+_PASS_THROUGH = fx_match.PASS_THROUGH
+_Decline = fx_match.Decline
+_val, _shape, _equal = fx_match.val, fx_match.shape, fx_match.equal
+_is, _strip, _require, _call = fx_match.is_call, fx_match.strip, fx_match.require, fx_match.call
 
 
 def _last_dim(dim, rank) -> bool:
@@ -262,16 +228,6 @@ class _Match:
             _require(dtype in dtypes, f"{name} dtype {dtype} not supported")
 
 
-def _call(graph: Graph, target, args: tuple) -> Node:
-    """A new call_function node with its meta["val"] computed on the fake values of args."""
-    node = graph.call_function(target, args)
-    vals = [_val(a) if isinstance(a, Node) else a for a in args]
-    fake_mode = torch._guards.detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
-    with fake_mode:
-        node.meta["val"] = target(*vals)
-    return node
-
-
 def _rewrite(graph: Graph, m: _Match) -> None:
     convert = prims.convert_element_type.default
     with graph.inserting_before(m.out):
@@ -298,15 +254,22 @@ def apply(graph: Graph, report) -> int:
     """Rewrite every full-context indexer top-k in `graph`; returns the number rewritten."""
     rewrites = 0
     for node in list(graph.nodes):
-        if not _is(node, aten.topk.default) or node.args[0].meta["val"].dim() != 3:
-            continue  # not a [B, T, S] top-k (e.g. an MoE router's): not a candidate
+        if not _is(node, aten.topk.default):
+            continue
+        rank = node.args[0].meta["val"].dim()
+        if rank == 3:
+            match, rewrite = _Match, _rewrite
+        elif rank == 2 and indexer_sglang.is_candidate(node):
+            match, rewrite = indexer_sglang.SglangMatch, indexer_sglang.rewrite
+        else:
+            continue  # e.g. an MoE router's top-k: not a candidate
         try:
-            match = _Match(node)
+            match = match(node)
         except _Decline as why:
             report.record(PASS_NAME, node, False, str(why))
             logger.debug("indexer pass declined %s: %s", node.name, why)
             continue
-        _rewrite(graph, match)
+        rewrite(graph, match)
         report.record(PASS_NAME, node, True)
         rewrites += 1
     if rewrites:

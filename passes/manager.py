@@ -18,7 +18,8 @@ PASS_MODULES: tuple[str, ...] = (
     "dsv4_compile.passes.fp4_moe",
 )
 # Each module exposes register() -> None, installing its inductor lowerings.
-LOWERING_MODULES: tuple[str, ...] = ("dsv4_compile.lowerings.fp4_moe", "dsv4_compile.lowerings.sparse_mla")
+LOWERING_MODULES: tuple[str, ...] = ("dsv4_compile.lowerings.fp4_moe", "dsv4_compile.lowerings.indexer",
+                                     "dsv4_compile.lowerings.sparse_mla")
 
 _PACKAGE_DIRS = ("passes", "lowerings", "kernels")
 

@@ -1,0 +1,227 @@
+"""passes/indexer.py on SGLang 0.5.23's own torch indexer: `fp8_paged_mqa_logits_torch` (or its
+`_sm120` variant) followed by `topk_transform_pytorch_vectorized`, run from the installed
+package (tests/sglang_source.py), in SGLang's layouts: cache [pages, 64 * 132] uint8 (64 x 128 fp8 values, then 64 f32 scales per
+page), q [T, 1, 64, 128] fp8, weights [T, 64] f32, one length per row (verify = bs x draft rows),
+physical slots out (page_table[b, i >> 6] << 6 | i & 63, -1 for none).
+"""
+import re
+import types
+
+import pytest
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.utils import run_and_get_code
+
+from dsv4_compile.backend import Dsv4Backend
+from dsv4_compile.integrations.sglang_aranges import trace_sglang_aranges
+from dsv4_compile.passes import indexer
+from dsv4_compile.passes.manager import PassConfig
+from dsv4_compile.passes.report import PassReport
+
+pytest.importorskip("sglang", reason="needs the sglang package (tests/requirements: sglang==0.5.23 --no-deps)")
+from sglang_source import sglang_indexer_functions  # noqa: E402
+
+pytestmark = [pytest.mark.sglang, pytest.mark.usefixtures("fresh_compile")]
+
+DIM, PAGE = 128, 64
+
+
+@pytest.fixture
+def sgl():
+    """SGLang's functions, with `_arange_cache` made to always miss as the plugin must do (see
+    dsv4_compile/integrations/sglang_aranges.py and test_filled_arange_cache_declined)."""
+    functions = sglang_indexer_functions()
+    holder = types.SimpleNamespace(_arange_cache={})
+    trace_sglang_aranges(holder)
+    functions.__globals__["_arange_cache"] = holder._arange_cache
+    return functions
+
+
+def sglang_step(sgl, q, cache, weights, lens, page_table, topk, scorer="fp8_paged_mqa_logits_torch"):
+    """SGLang's call sequence (forward_c4_indexer with a torch scorer and the torch top-k)."""
+    kv = cache.view(cache.shape[0], PAGE, 1, DIM + 4)
+    logits = getattr(sgl, scorer)(q, kv, weights, lens, page_table, None,
+                                  page_table.shape[1] * PAGE, False)
+    out = torch.full((q.shape[0], topk), -1, dtype=torch.int32)
+    sgl.topk_transform_pytorch_vectorized(logits, lens, page_table, out, PAGE)
+    return out
+
+
+def sglang_inputs(requests, draft, seed, heads=64, n_pages=4, pool=9, max_len=None):
+    """Rows = requests x draft (verify flattened); a request's rows share its page-table row and
+    see consecutive lengths. Each request holds distinct pages of a small pool, in random
+    order (scattered); requests share pages. Lengths cover 0, fewer than topk, a page multiple and the full width."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = requests * draft
+    q = torch.randn(rows, 1, heads, DIM, generator=gen).to(torch.float8_e4m3fn)
+    weights = torch.randn(rows, heads, generator=gen) * heads ** -0.5
+    values = (torch.randn(pool, PAGE, DIM, generator=gen) * 2).to(torch.float8_e4m3fn)
+    scales = torch.rand(pool, PAGE, generator=gen) + 0.25
+    cache = torch.cat([values.view(torch.uint8).reshape(pool, -1),
+                       scales.view(torch.uint8).reshape(pool, -1)], dim=1).contiguous()
+    tables = torch.stack([torch.randperm(pool, generator=gen)[:n_pages] for _ in range(requests)]).int()
+    slots = n_pages * PAGE
+    ends = torch.randint(0, (max_len or slots) + 1, (requests,), generator=gen)
+    ends[:4] = torch.tensor([draft - 1, 2 * PAGE, slots, 7])[:requests]
+    lens = (ends[:, None] - draft + 1 + torch.arange(draft)).clamp(min=0).flatten().int()
+    return q, cache, weights, lens, tables.repeat_interleave(draft, dim=0)
+
+
+def physical_scores(q, cache, weights):
+    """f32 score of every (row, physical slot): k_scale * sum_h w[h] * relu(q[h] . k)."""
+    pool = cache.shape[0]
+    keys = cache[:, :PAGE * DIM].contiguous().view(torch.float8_e4m3fn).float().view(pool * PAGE, DIM)
+    k_scale = cache[:, PAGE * DIM:].contiguous().view(torch.float32).flatten()
+    logits = torch.einsum("thd,sd->ths", q[:, 0].float(), keys)
+    return (torch.relu(logits) * weights[..., None]).sum(1) * k_scale, \
+        (logits.abs() * weights.abs()[..., None]).sum(1) * k_scale
+
+
+def assert_same_selection(got, want, q, cache, weights, lens, page_table):
+    """Per row: -1 exactly past min(lens, topk), every slot on one of the row's visible pages,
+    and the selected scores equal as a multiset. SGLang rounds each q.k to bf16 (2^-8
+    relative) before relu, so scores move by at most 2^-8 * k_scale * sum_h |w| |q.k| and the
+    sorted selected scores by twice that; the bound is checked per row."""
+    topk = want.shape[1]
+    scores, magnitude = physical_scores(q, cache, weights)
+    for r in range(want.shape[0]):
+        n = min(max(int(lens[r]), 0), topk)
+        for idx in (got[r], want[r]):
+            assert (idx[n:] == -1).all() and (idx[:n] >= 0).all()
+            chosen = idx[idx >= 0].long()
+            assert chosen.unique().numel() == n
+            visible = {int(page_table[r, s // PAGE]) * PAGE + s % PAGE for s in range(int(lens[r]))}
+            assert set(chosen.tolist()) <= visible
+        bound = 2 * 2.0 ** -8 * magnitude[r].max()
+        torch.testing.assert_close(scores[r, got[r][got[r] >= 0].long()].sort().values,
+                                   scores[r, want[r][want[r] >= 0].long()].sort().values,
+                                   rtol=0, atol=float(bound))
+
+
+class _RunPass(CustomGraphPass):
+    def __init__(self, report):
+        self.report = report
+        self.ops_after: list = []
+
+    def __call__(self, graph):
+        indexer.apply(graph, self.report)
+        self.ops_after += [n.target for n in graph.nodes if n.op == "call_function"]
+
+    def uuid(self):
+        return b"test_pass_indexer_sglang"
+
+
+def compile_with_pass(fn):
+    report = PassReport()
+    hook = _RunPass(report)
+    return torch.compile(fn, backend="inductor", fullgraph=True,
+                         options={"post_grad_custom_post_pass": hook}), report, hook
+
+
+@pytest.mark.parametrize("scorer", ["fp8_paged_mqa_logits_torch", "fp8_paged_mqa_logits_torch_sm120"])
+@pytest.mark.parametrize("requests, draft", [(4, 1), (3, 4)])  # decode, verify (bs x draft rows)
+def test_sglang_form_rewritten_and_matches_sglang(sgl, requests, draft, scorer):
+    topk = 32
+    fn = lambda *a: sglang_step(sgl, *a, topk, scorer)  # noqa: E731
+    compiled, report, hook = compile_with_pass(fn)
+    for seed in range(3):  # fresh data; eager SGLang calls in between
+        args = sglang_inputs(requests, draft, seed)
+        got = compiled(*args)
+        assert_same_selection(got, fn(*args), *args)
+    # The first call stores its aranges in the cache; dynamo guards the dict's keys, so the
+    # second call recompiles once. Every graph is rewritten.
+    assert 1 <= report.count(indexer.PASS_NAME) == len(report.records) <= 2
+    assert torch.ops.dsv4.indexer_topk_physical.default in hook.ops_after
+    assert torch.ops.aten.topk.default not in hook.ops_after
+    assert torch.ops.aten.bmm.default not in hook.ops_after
+
+
+def test_sglang_form_under_dsv4_backend_fuses_translation(sgl):
+    """The whole chain: pass -> indexer_topk_physical -> lowering. The generated wrapper calls
+    dsv4::indexer_topk on strided views of the cache bytes (no copy of the cache, no
+    indexer_topk_physical, no aten.topk) and one kernel writes the physical slots."""
+    topk = 32
+    fn = lambda *a: sglang_step(sgl, *a, topk)  # noqa: E731
+    report = PassReport()
+    compiled = torch.compile(fn, backend=Dsv4Backend(PassConfig(), report=report), fullgraph=True)
+    args = sglang_inputs(3, 2, seed=7)
+    got, code = run_and_get_code(compiled, *args)
+    body = re.search(r"def call\(self, args\):\n(.*?)\n\s+return ", "\n".join(code), re.S).group(1)
+    ops = re.findall(r"torch\.ops\.[\w.]+\(", body)
+    assert ops.count("torch.ops.dsv4.indexer_topk.default(") == 1
+    assert "indexer_topk_physical.default(" not in ops and "aten.topk" not in body
+    assert "reinterpret_tensor(arg0_1, " in body  # the fp8 values: a strided view of the cache
+    assert not re.search(r"\w+\(arg0_1, buf\d+\)", body)  # no kernel copies cache bytes
+    assert report.count(indexer.PASS_NAME) == 1
+    assert_same_selection(got, fn(*args), *args)
+
+
+@pytest.mark.parametrize("change, reason", [
+    (dict(page_size=32), "translation page size 32 != 64"),
+    (dict(topk=4096, n_pages=64), "topk 4096 > 2048"),
+    (dict(topk=512, n_pages=4), "topk 512 > slots 256"),
+    (dict(heads=2), "heads 2 not in [4, 128]"),
+])
+def test_other_forms_declined(sgl, change, reason):
+    topk, page_size = change.get("topk", 16), change.get("page_size", PAGE)
+
+    def fn(q, cache, weights, lens, page_table):
+        kv = cache.view(cache.shape[0], PAGE, 1, DIM + 4)
+        logits = sgl.fp8_paged_mqa_logits_torch(q, kv, weights, lens, page_table, None,
+                                                page_table.shape[1] * PAGE, False)
+        out = torch.full((q.shape[0], topk), -1, dtype=torch.int32)
+        sgl.topk_transform_pytorch_vectorized(logits, lens, page_table, out, page_size)
+        return out
+
+    compiled, report, hook = compile_with_pass(fn)
+    args = sglang_inputs(2, 1, seed=3, heads=change.get("heads", 8),
+                         n_pages=change.get("n_pages", 4), pool=change.get("n_pages", 4) + 2)
+    assert torch.equal(compiled(*args).sort(-1).values, fn(*args).sort(-1).values)  # untouched
+    assert report.count(indexer.PASS_NAME) == 0
+    assert torch.ops.dsv4.indexer_topk_physical.default not in hook.ops_after
+    (record,) = [r for r in report.records if r.pass_name == indexer.PASS_NAME]
+    assert not record.matched and reason in record.reason, record.reason
+
+
+def test_filled_arange_cache_declined(sgl):
+    """With SGLang's own `_arange_cache` (a plain dict) filled by an eager call, dynamo passes
+    the cached aranges as graph inputs: the slot numbers are unknown to the pass, which declines
+    with that reason instead of guessing."""
+    sgl.__globals__["_arange_cache"] = {}
+    fn = lambda *a: sglang_step(sgl, *a, 16)  # noqa: E731
+    args = sglang_inputs(2, 1, seed=4, heads=8)
+    want = fn(*args)  # fills the cache
+    compiled, report, _ = compile_with_pass(fn)
+    assert torch.equal(compiled(*args).sort(-1).values, want.sort(-1).values)
+    (record,) = report.records
+    assert not record.matched and "slot numbers unknown at compile time" in record.reason
+
+
+def test_head_dim_other_than_128_declined(sgl):
+    """SGLang's scorers assert D == 128, so this scorer is written here: the same paged layout
+    with D = 64 (pages of 64 x 68 B), followed by SGLang's own top-k transform."""
+    dim, topk = 64, 16
+
+    def fn(q, cache, weights, lens, page_table):
+        rows, n_pages = page_table.shape
+        pages = cache[page_table.clamp(min=0)]
+        keys = pages[..., :PAGE * dim].contiguous().view(torch.float8_e4m3fn).to(torch.bfloat16)
+        scale = pages[..., PAGE * dim:].contiguous().view(torch.float32).reshape(rows, -1)
+        logits = torch.bmm(keys.reshape(rows, n_pages * PAGE, dim),
+                           q[:, 0].to(torch.bfloat16).transpose(1, 2))
+        scores = (torch.relu(logits) * weights.unsqueeze(1)).sum(dim=2) * scale
+        out = torch.full((rows, topk), -1, dtype=torch.int32)
+        sgl.topk_transform_pytorch_vectorized(scores, lens, page_table, out, PAGE)
+        return out
+
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 1, 8, dim, generator=gen).to(torch.float8_e4m3fn)
+    values = torch.randn(4, PAGE * dim, generator=gen).to(torch.float8_e4m3fn).view(torch.uint8)
+    scales = (torch.rand(4, PAGE, generator=gen) + 0.5).view(torch.uint8)
+    args = (q, torch.cat([values, scales], dim=1), torch.randn(2, 8, generator=gen),
+            torch.tensor([10, 200], dtype=torch.int32), torch.tensor([[3, 1, 0, 2]] * 2).int())
+    compiled, report, hook = compile_with_pass(fn)
+    assert torch.equal(compiled(*args).sort(-1).values, fn(*args).sort(-1).values)
+    assert torch.ops.dsv4.indexer_topk_physical.default not in hook.ops_after
+    (record,) = report.records
+    assert not record.matched and "head dim 64 != 128" in record.reason, record.reason
