@@ -205,6 +205,23 @@ def test_deepseek_v4_compiles_through_the_dsv4_backend(sglang_state):
     assert [(r.pass_name, r.graph) for r in backend.report.records] == [(PASS_NAME, "T=1")]
 
 
+def test_deepseek_v4_compile_makes_sglang_arange_cache_always_miss(sglang_state, monkeypatch):
+    """SGLang's torch indexer keeps its slot aranges in the module dict `_arange_cache`; filled,
+    it hides the slot numbers from the indexer pass. Entering patch_model for a DeepSeek-V4
+    replaces it with a TracedArangeCache in the (already imported) SGLang indexer module."""
+    from sglang_source import SGLANG_INDEXER, sglang_indexer_functions
+
+    from dsv4_compile.integrations.sglang_aranges import TracedArangeCache
+
+    _load_plugins_with_probe()
+    indexer_module = sys.modules[sglang_indexer_functions().__globals__["__name__"]]  # SGLang's own source
+    monkeypatch.setitem(sys.modules, SGLANG_INDEXER, indexer_module)
+    monkeypatch.setattr(indexer_module, "_arange_cache", {("cpu", 64): torch.arange(64)}, raising=False)
+    with torch_compile_decoration.patch_model(tiny_model(**ONE_LAYER), True, num_tokens=2, tp_group=_tp_group()):
+        assert isinstance(indexer_module._arange_cache, TracedArangeCache)
+        assert ("cpu", 64) not in indexer_module._arange_cache
+
+
 def test_one_static_graph_per_capture_size(sglang_state):
     _load_plugins_with_probe()
     model = _ConfigMarkedV4().eval()

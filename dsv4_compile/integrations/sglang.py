@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from contextlib import AbstractContextManager, contextmanager
 from importlib import metadata
 from typing import Any, Callable, Iterator
@@ -23,12 +24,14 @@ from typing import Any, Callable, Iterator
 import torch
 
 from dsv4_compile.backend import Dsv4Backend
+from dsv4_compile.integrations.sglang_aranges import trace_sglang_aranges
 from dsv4_compile.integrations.sglang_moe import register_moe_hooks
 
 log = logging.getLogger("dsv4_compile")
 
 SUPPORTED_SGLANG_VERSION = "0.5.23"
 PATCH_MODEL_TARGET = "sglang.srt.compilation.torch_compile_decoration.patch_model"
+SGLANG_INDEXER_MODULE = "sglang.srt.layers.attention.dsv4.indexer"
 DISABLE_ENV = "DSV4_COMPILE_DISABLE"
 
 # SGLang 0.5.23's DeepSeek-V4 model classes (the list its srt/configs/model_config.py
@@ -73,6 +76,9 @@ def _compile_with_dsv4(model: torch.nn.Module, num_tokens: int, tp_group: Any,
     """SGLang's patch_model contract for enable_compile=True, compiling with `backend`."""
     from sglang.srt.compilation import torch_compile_decoration
 
+    indexer_module = sys.modules.get(SGLANG_INDEXER_MODULE)  # imported by the model, if it uses it
+    if indexer_module is not None:
+        trace_sglang_aranges(indexer_module)
     backup_ca_comm = tp_group.ca_comm
     try:
         # SGLang's own switch of its BaseFusedOp modules to their compile-safe forwards.
