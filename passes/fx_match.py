@@ -50,6 +50,13 @@ def strip(node: Node, allowed=PASS_THROUGH) -> Node:
     return node
 
 
+def topk_dim_largest(node: Node) -> tuple[int, bool]:
+    """(dim, largest) of an aten.topk call, defaults filled in."""
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)
+    largest = node.args[3] if len(node.args) > 3 else node.kwargs.get("largest", True)
+    return dim, largest
+
+
 def require(cond: bool, reason: str) -> None:
     if not cond:
         raise Decline(reason)

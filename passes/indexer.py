@@ -82,9 +82,7 @@ class _Match:
     def __init__(self, topk_node: Node):
         self.topk = topk_node
         scores, k = topk_node.args[:2]
-        dim = topk_node.args[2] if len(topk_node.args) > 2 else topk_node.kwargs.get("dim", -1)
-        largest = topk_node.args[3] if len(topk_node.args) > 3 else topk_node.kwargs.get(
-            "largest", True)
+        dim, largest = fx_match.topk_dim_largest(topk_node)
         rank = len(_shape(scores))
         _require(rank == 3, f"top-k input is rank {rank}, not [B, T, S]")
         _require(_last_dim(dim, rank), f"topk over dim {dim}, not the slot dim")

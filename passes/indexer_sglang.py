@@ -28,13 +28,13 @@ from torch.fx import Graph, Node
 
 import dsv4_compile.kernels.indexer_topk as kernel
 from dsv4_compile.passes.fx_match import (
-    Decline,
     call,
     equal,
     is_call,
     require,
     shape,
     strip,
+    topk_dim_largest,
     val,
 )
 
@@ -117,9 +117,7 @@ class SglangMatch:
     def __init__(self, topk_node: Node):
         self.topk = topk_node
         masked, k = topk_node.args[:2]
-        dim = topk_node.args[2] if len(topk_node.args) > 2 else topk_node.kwargs.get("dim", -1)
-        largest = topk_node.args[3] if len(topk_node.args) > 3 else topk_node.kwargs.get(
-            "largest", True)
+        dim, largest = topk_dim_largest(topk_node)
         require(dim in (1, -1), f"topk over dim {dim}, not the slot dim")
         require(largest, "topk of the smallest scores")
         require(isinstance(k, int), "symbolic topk")

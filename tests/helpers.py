@@ -1,7 +1,11 @@
 """Shared test helpers: prompts, transformers' greedy reference, and a step recorder."""
+import types
+
 import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from dsv4_compile import fp4
+from dsv4_compile.passes.report import PassReport
 from dsv4_compile.tiny import FAST_COMPILE_OVERRIDES, tiny_model
 
 
@@ -58,3 +62,30 @@ def make_experts(fmt: str, experts: int, hidden: int, inter: int, seed: int) -> 
     else:
         (a, b, g13), (c, d, g2) = fp4.quantize_nvfp4(w13), fp4.quantize_nvfp4(w2)
     return dict(w13=a, w13_scale=b, w2=c, w2_scale=d, fmt=fmt, w13_global=g13, w2_global=g2)
+
+
+class PassProbe(CustomGraphPass):
+    """A post-grad pass for tests: one dsv4 pass module's `apply`, counting its rewrites and
+    recording the call targets left in the graph after it."""
+
+    def __init__(self, pass_module: types.ModuleType, report: PassReport) -> None:
+        self.pass_module = pass_module
+        self.report = report
+        self.rewrites = 0
+        self.targets: list = []
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        self.rewrites += self.pass_module.apply(graph, self.report)
+        self.targets += [n.target for n in graph.nodes if n.op == "call_function"]
+
+    def uuid(self) -> bytes:
+        return f"PassProbe({self.pass_module.__name__})".encode()
+
+
+def compile_with_probe(fn, pass_module: types.ModuleType, **kwargs):
+    """fn compiled by inductor with only `pass_module` as its post-grad pass -> (compiled, report, probe)."""
+    report = PassReport()
+    probe = PassProbe(pass_module, report)
+    compiled = torch.compile(fn, backend="inductor", fullgraph=True,
+                             options={"post_grad_custom_post_pass": probe}, **kwargs)
+    return compiled, report, probe

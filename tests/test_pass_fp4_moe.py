@@ -3,12 +3,11 @@ computes the same result, and variants that are not that math stay as they are."
 import pytest
 import torch
 import torch.nn.functional as F
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from dsv4_compile import fp4
 from dsv4_compile.model.hotspots import moe_experts_fp4, moe_experts_gathered
 from dsv4_compile.passes import fp4_moe as fp4_pass
-from dsv4_compile.passes.report import PassReport
+from helpers import compile_with_probe
 
 EXPERTS, HIDDEN, INTER, TOP_K = 4, 64, 32, 2
 
@@ -19,27 +18,10 @@ def fresh_inductor_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
 
 
-class _RunPass(CustomGraphPass):
-    def __init__(self, report):
-        self.report = report
-        self.rewrites = 0
-        self.targets: list = []
-
-    def __call__(self, graph):
-        self.rewrites += fp4_pass.apply(graph, self.report)
-        self.targets += [n.target for n in graph.nodes if n.op == "call_function"]
-
-    def uuid(self):
-        return "test_pass_fp4_moe"
-
-
 def compile_with_pass(fn):
-    report = PassReport()
-    hook = _RunPass(report)
     torch._dynamo.reset()
-    compiled = torch.compile(fn, backend="inductor", fullgraph=True,
-                             options={"post_grad_custom_post_pass": hook})
-    return compiled, hook, report
+    compiled, report, probe = compile_with_probe(fn, fp4_pass)
+    return compiled, probe, report
 
 
 def experts(fmt, seed=0):

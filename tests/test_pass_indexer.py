@@ -2,12 +2,11 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import dsv4_compile.kernels.indexer_topk  # noqa: F401  (registers the op)
 from dsv4_compile.model.hotspots import indexer_topk_full_context
 from dsv4_compile.passes import indexer
-from dsv4_compile.passes.report import PassReport
+from helpers import compile_with_probe
 
 SCALE = 128 ** -0.5
 
@@ -20,25 +19,8 @@ def fresh_inductor_cache(tmp_path, monkeypatch):
         yield
 
 
-class _RunPass(CustomGraphPass):
-    def __init__(self, report):
-        self.report = report
-        self.ops_after: list = []
-
-    def __call__(self, graph):
-        indexer.apply(graph, self.report)
-        self.ops_after += [n.target for n in graph.nodes if n.op == "call_function"]
-
-    def uuid(self):
-        return b"test_pass_indexer"
-
-
 def compile_with_pass(fn, **kwargs):
-    report = PassReport()
-    hook = _RunPass(report)
-    compiled = torch.compile(fn, backend="inductor", fullgraph=True,
-                             options={"post_grad_custom_post_pass": hook}, **kwargs)
-    return compiled, report, hook
+    return compile_with_probe(fn, indexer, **kwargs)
 
 
 def model_step(q, weights, k_pages, page_table, positions, topk=16):
@@ -75,9 +57,9 @@ def test_model_form_rewritten_and_matches_eager(tokens, dtype):
         args = make_inputs(2, tokens, dtype, seed)
         same_selection(compiled(*args), model_step(*args))
     assert report.count(indexer.PASS_NAME) == 1
-    assert torch.ops.dsv4.indexer_topk.default in hook.ops_after
-    assert torch.ops.aten.topk.default not in hook.ops_after
-    assert torch.ops.aten.bmm.default not in hook.ops_after
+    assert torch.ops.dsv4.indexer_topk.default in hook.targets
+    assert torch.ops.aten.topk.default not in hook.targets
+    assert torch.ops.aten.bmm.default not in hook.targets
 
 
 def test_dynamic_batch_matches_with_symbolic_sizes():
@@ -119,7 +101,7 @@ def test_other_forms_declined(fn, kwargs, reason):
     args = make_inputs(**opts)
     assert torch.equal(compiled(*args), fn(*args))  # untouched: inductor's own code, same order
     assert report.count(indexer.PASS_NAME) == 0
-    assert torch.ops.dsv4.indexer_topk.default not in hook.ops_after
+    assert torch.ops.dsv4.indexer_topk.default not in hook.targets
     (record,) = [r for r in report.records if r.pass_name == indexer.PASS_NAME]
     assert not record.matched and reason in record.reason, record.reason
 

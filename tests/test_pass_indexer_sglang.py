@@ -9,7 +9,6 @@ import types
 
 import pytest
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.utils import run_and_get_code
 
 from dsv4_compile.backend import Dsv4Backend
@@ -19,6 +18,7 @@ from dsv4_compile.passes.manager import PassConfig
 from dsv4_compile.passes.report import PassReport
 
 pytest.importorskip("sglang", reason="needs the sglang package (tests/requirements: sglang==0.5.23 --no-deps)")
+from helpers import compile_with_probe  # noqa: E402
 from sglang_source import sglang_indexer_functions  # noqa: E402
 
 pytestmark = [pytest.mark.sglang, pytest.mark.usefixtures("fresh_compile")]
@@ -98,24 +98,8 @@ def assert_same_selection(got, want, q, cache, weights, lens, page_table):
                                    rtol=0, atol=float(bound))
 
 
-class _RunPass(CustomGraphPass):
-    def __init__(self, report):
-        self.report = report
-        self.ops_after: list = []
-
-    def __call__(self, graph):
-        indexer.apply(graph, self.report)
-        self.ops_after += [n.target for n in graph.nodes if n.op == "call_function"]
-
-    def uuid(self):
-        return b"test_pass_indexer_sglang"
-
-
 def compile_with_pass(fn):
-    report = PassReport()
-    hook = _RunPass(report)
-    return torch.compile(fn, backend="inductor", fullgraph=True,
-                         options={"post_grad_custom_post_pass": hook}), report, hook
+    return compile_with_probe(fn, indexer)
 
 
 @pytest.mark.parametrize("scorer", ["fp8_paged_mqa_logits_torch", "fp8_paged_mqa_logits_torch_sm120"])
@@ -131,9 +115,9 @@ def test_sglang_form_rewritten_and_matches_sglang(sgl, requests, draft, scorer):
     # The first call stores its aranges in the cache; dynamo guards the dict's keys, so the
     # second call recompiles once. Every graph is rewritten.
     assert 1 <= report.count(indexer.PASS_NAME) == len(report.records) <= 2
-    assert torch.ops.dsv4.indexer_topk_physical.default in hook.ops_after
-    assert torch.ops.aten.topk.default not in hook.ops_after
-    assert torch.ops.aten.bmm.default not in hook.ops_after
+    assert torch.ops.dsv4.indexer_topk_physical.default in hook.targets
+    assert torch.ops.aten.topk.default not in hook.targets
+    assert torch.ops.aten.bmm.default not in hook.targets
 
 
 def test_sglang_form_under_dsv4_backend_fuses_translation(sgl):
@@ -178,7 +162,7 @@ def test_other_forms_declined(sgl, change, reason):
                          n_pages=change.get("n_pages", 4), pool=change.get("n_pages", 4) + 2)
     assert torch.equal(compiled(*args).sort(-1).values, fn(*args).sort(-1).values)  # untouched
     assert report.count(indexer.PASS_NAME) == 0
-    assert torch.ops.dsv4.indexer_topk_physical.default not in hook.ops_after
+    assert torch.ops.dsv4.indexer_topk_physical.default not in hook.targets
     (record,) = [r for r in report.records if r.pass_name == indexer.PASS_NAME]
     assert not record.matched and reason in record.reason, record.reason
 
@@ -222,6 +206,6 @@ def test_head_dim_other_than_128_declined(sgl):
             torch.tensor([10, 200], dtype=torch.int32), torch.tensor([[3, 1, 0, 2]] * 2).int())
     compiled, report, hook = compile_with_pass(fn)
     assert torch.equal(compiled(*args).sort(-1).values, fn(*args).sort(-1).values)
-    assert torch.ops.dsv4.indexer_topk_physical.default not in hook.ops_after
+    assert torch.ops.dsv4.indexer_topk_physical.default not in hook.targets
     (record,) = report.records
     assert not record.matched and "head dim 64 != 128" in record.reason, record.reason
