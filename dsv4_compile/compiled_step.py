@@ -26,7 +26,10 @@ def _step_with_own_code(module: nn.Module) -> Callable[..., torch.Tensor]:
 
 def compile_step(module: nn.Module, backend: Callable, graphs: int) -> Callable[..., torch.Tensor]:
     """module(input_ids [B, T] int64, start_pos [B] int64, rows [B] int64) -> logits, compiled with
-    `backend` as one static graph per (batch bucket, T); `graphs` is how many such graphs it needs."""
+    `backend` as one static graph per (batch bucket, T); `graphs` is how many such graphs it needs.
+
+    Raises the process-wide `torch._dynamo.config.recompile_limit` to `graphs` when it is lower
+    (dynamo has no per-function limit) and never lowers it."""
     limit = torch._dynamo.config.recompile_limit
     if limit < graphs:
         log.info("dsv4: raising torch._dynamo.config.recompile_limit from %d to %d (one graph per bucket and T)",

@@ -31,7 +31,6 @@ import triton.language as tl
 from ._runtime import triton_runs_on
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 SCALE_GROUP = 64  # nope dims per ue8m0 exponent in FP8 rows
 SPLIT_TILE = 32  # index positions per tile; split-K hands each split a run of whole tiles
 
@@ -573,6 +572,11 @@ def plan_sparse_mla(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx, s
     cfg = config or pick_config(batch, tokens, heads, head_dim, idx.shape[2] + num_extra, q.device, num_splits,
                                 layout.fp8)
     if partials is not None:  # exactly the caller's S (pick_config caps S at the tile count)
+        if out is not None:
+            raise ValueError("plan_sparse_mla: give out or partials, not both")
+        if cfg.block_n != SPLIT_TILE:
+            raise ValueError(f"plan_sparse_mla: partials follow split_of_positions, which needs "
+                             f"config.block_n == {SPLIT_TILE}; got {cfg.block_n}")
         cfg = replace(cfg, num_splits=partials[1].shape[3])
     block_d = triton.next_power_of_2(head_dim)
     num_tiles = triton.cdiv(idx.shape[2], cfg.block_n) + triton.cdiv(num_extra, cfg.block_n)

@@ -7,7 +7,9 @@ logical -> physical slot translation as inductor IR.
      else -1, built as one inductor Pointwise node (an indirect load of the page table). The
      node stays unrealised, so inductor inlines it into whatever consumes the slots (SGLang's
      copy into its index buffer, the sparse attention's row gather): the translation costs no
-     kernel and no [B, T, K] round trip of its own.
+     kernel and no [B, T, K] round trip of its own. The slots are int32: a consumer that
+     multiplies them by a row stride must widen them first (`.long()`), or a pool of more than
+     2**31 elements overflows the offset.
 
 The math equals `kernels.indexer_physical.physical_slots`, the op's own eager epilogue.
 """

@@ -11,7 +11,10 @@ eager op makes), `torch.ops.dsv4.sparse_mla` lowers to
      cat with the nope slice and the grouped output projection's input layout): the combine
      costs no kernel and no [B,T,H,Dh] round trip of its own.
 With S = 1 there is nothing to combine: the op stays one extern call (its kernel finishes the
-softmax and writes q's dtype, fewer bytes than an f32 partial).
+softmax and writes q's dtype, fewer bytes than an f32 partial). Above MAX_INLINED_SPLITS the op
+stays one call too: each reader of an inlined combine reads S partial rows of f32 and computes S
+exponentials per element (S reaches ~130 at B=1 over an HCA layer's 8,320 positions), which costs
+more than the op's own combine kernel and makes inductor's generated code grow with S.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from torch._inductor.virtualized import ops
 
 from dsv4_compile.kernels.sparse_mla import pick_config
 
+MAX_INLINED_SPLITS = 16
 _installed = None
 
 
@@ -97,7 +101,7 @@ def _combine(parts: ir.TensorBox, lse: ir.TensorBox, sink: ir.TensorBox | None, 
 
 def _lower_sparse_mla(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx, sink, scale):
     splits = num_splits_for(q, kv, idx, extra_idx)
-    if splits is None or splits == 1:
+    if splits is None or not 1 < splits <= MAX_INLINED_SPLITS:
         return fallback_handler(torch.ops.dsv4.sparse_mla.default, add_to_fallback_set=False)(
             q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx, sink, scale)
     parts, lse = fallback_handler(torch.ops.dsv4.sparse_mla_partials.default, add_to_fallback_set=False)(

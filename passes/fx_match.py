@@ -31,6 +31,7 @@ def shape(node) -> tuple:
 
 
 def expr(size):
+    """A size (int or SymInt) as a sympy expression."""
     return size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(size)
 
 
@@ -40,6 +41,7 @@ def equal(a, b) -> bool:
 
 
 def is_call(node, *targets) -> bool:
+    """Whether `node` is an FX call_function of one of `targets`."""
     return isinstance(node, Node) and node.op == "call_function" and node.target in targets
 
 

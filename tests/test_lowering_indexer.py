@@ -75,7 +75,7 @@ def test_bad_input_names_the_tensor(index, value, name):
 
 def gather_rows(q, weights, k_cache, k_scale, page_table, lens, rows):
     idx = torch.ops.dsv4.indexer_topk_physical(q, weights, k_cache, k_scale, page_table, lens, 40)
-    return rows[idx.clamp(min=0)] * (idx >= 0).unsqueeze(-1)
+    return rows[idx.clamp(min=0).long()] * (idx >= 0).unsqueeze(-1)  # int64 offsets, as a real pool needs
 
 
 def compile_and_run(*args):

@@ -249,6 +249,19 @@ def test_one_split_stays_one_op_call():
 
 
 @pytest.mark.usefixtures("fresh_compile")
+def test_many_splits_stay_one_op_call(monkeypatch):
+    """Above MAX_INLINED_SPLITS the combine is not inlined (S partial rows per element read):
+    with the cap lowered to 1 the same inputs that split compile to the plain op call."""
+    op_args, rest = tail_inputs("f32", seed=4)
+    monkeypatch.setattr(mla_lowering, "MAX_INLINED_SPLITS", 1)
+    out, code = compile_tail(op_args, rest)
+    body = wrapper_body(code)
+    assert "torch.ops.dsv4.sparse_mla.default(" in body and "sparse_mla_partials" not in body
+    with torch.no_grad():
+        torch.testing.assert_close(out, attention_tail(*op_args, *rest), **OUT_TOL[torch.float32])
+
+
+@pytest.mark.usefixtures("fresh_compile")
 def test_compiled_bad_input_raises_value_error_naming_it():
     op_args, rest = tail_inputs("f32", seed=3)
     op_args = list(op_args)

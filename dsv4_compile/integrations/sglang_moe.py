@@ -106,6 +106,7 @@ class Dsv4Fp4MoEMethod:
             return resolve_moe_runner_backend(RUNNER_BACKEND_NAME)
 
     def get_moe_routing_method_type(self, layer: torch.nn.Module, requested_method: Any) -> Any:
+        """SGLang's routing as requested: the op takes final top-k ids and weights."""
         return requested_method
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
