@@ -1,0 +1,300 @@
+"""Length-bounded row top-k over a score workspace, spread over chunks of each row.
+
+Input: scores [R, S] f32 (row r = b * T + t of the indexer), valid where s < lens[b, t]; the
+rest is never read. Output: out [R, topk] int32, the slots of a top-`topk` set of the valid
+prefix (order unspecified), -1 past min(len, topk).
+
+Rows with len <= topk take every valid slot (no score is read). Longer rows go through four
+kernels on static grids (capture-safe; programs past a row's length exit at once):
+  1. `_chunk_range_kernel`, grid (R, chunks): max and min of each chunk of CHUNK scores.
+  2. `_chunk_hist_kernel`, grid (R, chunks): histogram of each chunk over NUM_BINS equal bins
+     of the row's [min, max] (bin 0 holds the largest scores).
+  3. `_chunk_split_kernel`, grid (R, chunks): every program sums the row's chunk histograms and
+     finds the threshold bin, the one where the count from the top reaches topk. Scores above
+     it are written straight to `out` (their position is the count of such scores in earlier
+     chunks plus the rank within the chunk); scores in it are copied, with their slots, into a
+     candidate list of at most `cap` per row.
+  4. `_finish_kernel`, grid (R,): a radix select (8 bits a pass, `tl.histogram`) of the
+     missing ones among the candidates. When the threshold bin holds more than `cap` scores
+     (many ties, or a few extreme outliers stretching the bins), it runs over the whole row
+     instead and writes all of `out` itself: slower, never wrong.
+Only the bin of a score decides where it goes, and kernels 2 and 3 compute it with the same
+code from the same inputs, so their counts agree exactly.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+NUM_BINS = 64
+DEFAULT_CHUNK = 4096
+_RANGE_TILE = 64  # chunk ranges per load when a kernel reduces a row's range
+_HIST_TILE = 16  # chunk histograms per [chunks, NUM_BINS] load when a kernel sums them
+_FINISH_BLOCK = 1024
+
+
+@triton.jit
+def _row_len(lens_ptr, row, T, S_MAX, sl_b, sl_t):
+    b = row // T
+    t = row % T
+    n = tl.load(lens_ptr + b * sl_b + t * sl_t)
+    return tl.minimum(tl.maximum(n, 0), S_MAX)
+
+
+@triton.jit
+def _row_grid(range_ptr, row, n_chunks, N_CHUNKS, RANGE_TILES: tl.constexpr,
+              NUM_BINS: tl.constexpr):
+    """(top, scale) of the row's bins: bin(x) = (top - x) * scale, from the chunk ranges."""
+    top = -float("inf")
+    bottom = float("inf")
+    for tile in tl.static_range(RANGE_TILES):  # RANGE_TILES * 64 >= N_CHUNKS
+        ch = tile * 64 + tl.arange(0, 64)
+        ok = ch < n_chunks
+        base = range_ptr + (row * N_CHUNKS + ch) * 2
+        top = tl.maximum(top, tl.max(tl.load(base, mask=ok, other=-float("inf")), axis=0))
+        bottom = tl.minimum(bottom, tl.min(tl.load(base + 1, mask=ok, other=float("inf")), axis=0))
+    width = top - bottom
+    scale = tl.where(width > 0, NUM_BINS / tl.where(width > 0, width, 1.0), 0.0)
+    return top, scale
+
+
+@triton.jit
+def _score_bin(x, top, scale, NUM_BINS: tl.constexpr):
+    """Bin of each score: 0 for the largest, NUM_BINS - 1 for the smallest (monotone)."""
+    f = tl.minimum(tl.maximum((top - x) * scale, 0.0), NUM_BINS - 1.0)
+    return tl.minimum(tl.maximum(f.to(tl.int32), 0), NUM_BINS - 1)
+
+
+@triton.jit
+def _chunk_range_kernel(ws_ptr, lens_ptr, range_ptr, T, S_MAX, N_CHUNKS, sl_b, sl_t,
+                        TOPK: tl.constexpr, CHUNK: tl.constexpr):
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    n = _row_len(lens_ptr, row, T, S_MAX, sl_b, sl_t)
+    start = chunk * CHUNK
+    if (n > TOPK) & (start < n):
+        offs = start + tl.arange(0, CHUNK)
+        valid = offs < n
+        x = tl.load(ws_ptr + row.to(tl.int64) * S_MAX + offs, mask=valid, other=0.0)
+        out = range_ptr + (row * N_CHUNKS + chunk) * 2
+        tl.store(out, tl.max(tl.where(valid, x, -float("inf")), axis=0))
+        tl.store(out + 1, tl.min(tl.where(valid, x, float("inf")), axis=0))
+
+
+@triton.jit
+def _chunk_hist_kernel(ws_ptr, lens_ptr, range_ptr, hist_ptr, T, S_MAX, N_CHUNKS, sl_b, sl_t,
+                       TOPK: tl.constexpr, CHUNK: tl.constexpr, NUM_BINS: tl.constexpr,
+                       RANGE_TILES: tl.constexpr):
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    n = _row_len(lens_ptr, row, T, S_MAX, sl_b, sl_t)
+    start = chunk * CHUNK
+    if (n > TOPK) & (start < n):
+        top, scale = _row_grid(range_ptr, row, (n + CHUNK - 1) // CHUNK, N_CHUNKS, RANGE_TILES,
+                               NUM_BINS)
+        offs = start + tl.arange(0, CHUNK)
+        valid = offs < n
+        x = tl.load(ws_ptr + row.to(tl.int64) * S_MAX + offs, mask=valid, other=0.0)
+        hist = tl.histogram(_score_bin(x, top, scale, NUM_BINS), NUM_BINS, mask=valid)
+        tl.store(hist_ptr + (row * N_CHUNKS + chunk) * NUM_BINS + tl.arange(0, NUM_BINS), hist)
+
+
+@triton.jit
+def _chunk_split_kernel(ws_ptr, lens_ptr, range_ptr, hist_ptr, out_ptr, cand_ptr, cand_slot_ptr,
+                        meta_ptr, T, S_MAX, N_CHUNKS, CAP, sl_b, sl_t,
+                        TOPK: tl.constexpr, CHUNK: tl.constexpr, NUM_BINS: tl.constexpr,
+                        RANGE_TILES: tl.constexpr, HIST_TILES: tl.constexpr,
+                        HIST_TILE: tl.constexpr):
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    n = _row_len(lens_ptr, row, T, S_MAX, sl_b, sl_t)
+    start = chunk * CHUNK
+    if (n > TOPK) & (start < n):
+        n_chunks = (n + CHUNK - 1) // CHUNK
+        top, scale = _row_grid(range_ptr, row, n_chunks, N_CHUNKS, RANGE_TILES, NUM_BINS)
+        bins = tl.arange(0, NUM_BINS)
+        hist_row = hist_ptr + row * N_CHUNKS * NUM_BINS
+        total = tl.zeros((NUM_BINS,), tl.int32)
+        for tile in range(0, HIST_TILES):  # a loop, not unrolled: one small tile live at a time
+            ch = tile * HIST_TILE + tl.arange(0, HIST_TILE)
+            h = tl.load(hist_row + ch[:, None] * NUM_BINS + bins[None, :],
+                        mask=(ch < n_chunks)[:, None], other=0)
+            total += tl.sum(h, axis=0)
+        # Threshold bin d: the first (from the top) where the running count reaches TOPK.
+        d = tl.sum((tl.cumsum(total, axis=0) < TOPK).to(tl.int32), axis=0)
+        above = tl.sum(tl.where(bins < d, total, 0), axis=0)
+        ties = tl.sum(tl.where(bins == d, total, 0), axis=0)
+        # What earlier chunks put above the bin and into it: this chunk's write offsets.
+        above_before = 0
+        ties_before = 0
+        for tile in range(0, HIST_TILES):
+            ch = tile * HIST_TILE + tl.arange(0, HIST_TILE)
+            h = tl.load(hist_row + ch[:, None] * NUM_BINS + bins[None, :],
+                        mask=(ch < chunk)[:, None], other=0)
+            above_before += tl.sum(tl.sum(tl.where(bins[None, :] < d, h, 0), axis=1), axis=0)
+            ties_before += tl.sum(tl.sum(tl.where(bins[None, :] == d, h, 0), axis=1), axis=0)
+        fits = ties <= CAP
+        if chunk == 0:
+            tl.store(meta_ptr + row * 2, tl.where(fits, ties, -1))
+            tl.store(meta_ptr + row * 2 + 1, above)
+        if fits:
+            offs = start + tl.arange(0, CHUNK)
+            valid = offs < n
+            x = tl.load(ws_ptr + row.to(tl.int64) * S_MAX + offs, mask=valid, other=0.0)
+            b = _score_bin(x, top, scale, NUM_BINS)
+            take = (valid & (b < d)).to(tl.int32)
+            pos = above_before + tl.cumsum(take, axis=0) - take
+            tl.store(out_ptr + row.to(tl.int64) * TOPK + pos, offs, mask=take != 0)
+            cand = (valid & (b == d)).to(tl.int32)
+            cpos = ties_before + tl.cumsum(cand, axis=0) - cand
+            tl.store(cand_ptr + row.to(tl.int64) * CAP + cpos, x, mask=cand != 0)
+            tl.store(cand_slot_ptr + row.to(tl.int64) * CAP + cpos, offs, mask=cand != 0)
+
+
+@triton.jit
+def _order_key(scores):
+    """int32 keys whose signed order is the float order of `scores` (f32)."""
+    bits = scores.to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton.jit
+def _digit_histogram(src, start, n, prefix, PASS: tl.constexpr, BLOCK: tl.constexpr):
+    """Histogram [256] of digit PASS (8 bits, high first) of the unsigned keys in
+    [start, start + BLOCK) that agree with `prefix` on the higher digits."""
+    shift: tl.constexpr = 24 - 8 * PASS
+    offs = start + tl.arange(0, BLOCK)
+    valid = offs < n
+    u = _order_key(tl.load(src + offs, mask=valid, other=0.0)) ^ -2147483648
+    if PASS > 0:
+        valid = valid & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
+    return tl.histogram((u >> shift) & 255, 256, mask=valid)
+
+
+@triton.jit
+def _compact_block(src, slot_src, from_list, out_row, start, n, threshold, remaining, taken,
+                   ties_seen, BLOCK: tl.constexpr):
+    """Write the slots of [start, start + BLOCK) above `threshold`, and ties while fewer than
+    `remaining` ties were taken; returns the updated (taken, ties_seen) counts. A slot is the
+    position itself, or read from `slot_src` when `from_list`."""
+    offs = start + tl.arange(0, BLOCK)
+    valid = offs < n
+    key = _order_key(tl.load(src + offs, mask=valid, other=0.0))
+    above = (valid & (key > threshold)).to(tl.int32)
+    tie = (valid & (key == threshold)).to(tl.int32)
+    tie_rank = ties_seen + tl.cumsum(tie, axis=0) - tie
+    take = above | (tie & (tie_rank < remaining).to(tl.int32))
+    pos = taken + tl.cumsum(take, axis=0) - take
+    slots = offs
+    if from_list:
+        slots = tl.load(slot_src + offs, mask=take != 0, other=-1)
+    tl.store(out_row + pos, slots, mask=take != 0)
+    return taken + tl.sum(take, axis=0), ties_seen + tl.sum(tie, axis=0)
+
+
+@triton.jit
+def _finish_kernel(ws_ptr, lens_ptr, out_ptr, cand_ptr, cand_slot_ptr, meta_ptr, T, S_MAX, CAP,
+                   sl_b, sl_t, TOPK: tl.constexpr, BLOCK: tl.constexpr,
+                   FOR_LOOPS: tl.constexpr):
+    row = tl.program_id(0)
+    n = _row_len(lens_ptr, row, T, S_MAX, sl_b, sl_t)
+    out_row = out_ptr + row.to(tl.int64) * TOPK
+    if n <= TOPK:  # every visible slot is selected
+        for start in tl.static_range(0, TOPK, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            tl.store(out_row + offs, tl.where(offs < n, offs, -1), mask=offs < TOPK)
+    else:
+        listed = tl.load(meta_ptr + row * 2)
+        from_list = listed >= 0
+        if from_list:  # pick the rest among the threshold bin's candidates
+            src = cand_ptr + row.to(tl.int64) * CAP
+            slot_src = cand_slot_ptr + row.to(tl.int64) * CAP
+            count = listed
+            base = tl.load(meta_ptr + row * 2 + 1)
+        else:  # the bin overflowed the list: select over the whole row
+            src = ws_ptr + row.to(tl.int64) * S_MAX
+            slot_src = cand_slot_ptr  # unused
+            count = n
+            base = n * 0
+        # Radix select on the unsigned image u = key ^ 0x80000000, 8 bits per pass, high first:
+        # `prefix` holds the digits fixed so far, `remaining` how many to take at or below it.
+        prefix = 0
+        remaining = TOPK - base
+        digits = tl.arange(0, 256)
+        for p in tl.static_range(4):
+            hist = tl.zeros((256,), tl.int32)
+            if FOR_LOOPS:
+                for start in range(0, count, BLOCK):
+                    hist += _digit_histogram(src, start, count, prefix, p, BLOCK)
+            else:  # the interpreter (numpy >= 2.4) cannot take 1-element tensors as range()
+                start = 0
+                while start < count:
+                    hist += _digit_histogram(src, start, count, prefix, p, BLOCK)
+                    start += BLOCK
+            at_or_above = tl.cumsum(hist, axis=0, reverse=True)
+            digit = tl.max(tl.where(at_or_above >= remaining, digits, 0), axis=0)
+            remaining -= tl.sum(tl.where(digits > digit, hist, 0), axis=0)
+            prefix = prefix | (digit << (24 - 8 * p))
+        threshold = prefix ^ -2147483648  # back to the signed key
+        taken = 0
+        ties_seen = 0
+        out_rest = out_row + base
+        if FOR_LOOPS:
+            for start in range(0, count, BLOCK):
+                taken, ties_seen = _compact_block(src, slot_src, from_list, out_rest, start,
+                                                  count, threshold, remaining, taken, ties_seen,
+                                                  BLOCK)
+        else:
+            start = 0
+            while start < count:
+                taken, ties_seen = _compact_block(src, slot_src, from_list, out_rest, start,
+                                                  count, threshold, remaining, taken, ties_seen,
+                                                  BLOCK)
+                start += BLOCK
+
+
+def candidate_cap(topk: int) -> int:
+    """Candidates kept per row: the threshold bin usually holds a few hundred scores."""
+    return max(2048, 2 * topk)
+
+
+def select_topk_triton(scores: torch.Tensor, lens: torch.Tensor, topk: int, out: torch.Tensor,
+                       *, chunk: int = DEFAULT_CHUNK, num_warps: int = 8,
+                       cap: int | None = None) -> list:
+    """Top-`topk` slots of each row of scores [B, T, S] f32 (valid where s < lens[b, t], never
+    read elsewhere) into out [B, T, topk] int32 (contiguous); returns the launched kernels.
+
+    `chunk` (a power of two >= 16) is the slots per program of the three chunk kernels,
+    `num_warps` their warps, `cap` the candidates kept per row (tests force the overflow path
+    with a small one).
+    """
+    batch, tokens, slots = scores.shape
+    rows = batch * tokens
+    n_chunks = triton.cdiv(slots, chunk)
+    range_tiles = triton.cdiv(n_chunks, _RANGE_TILE)
+    hist_tiles = triton.cdiv(n_chunks, _HIST_TILE)
+    cap = cap or candidate_cap(topk)
+    dev = scores.device
+    ranges = torch.empty((rows, n_chunks, 2), dtype=torch.float32, device=dev)
+    hist = torch.empty((rows, n_chunks, NUM_BINS), dtype=torch.int32, device=dev)
+    cand = torch.empty((rows, cap), dtype=torch.float32, device=dev)
+    cand_slot = torch.empty((rows, cap), dtype=torch.int32, device=dev)
+    meta = torch.empty((rows, 2), dtype=torch.int32, device=dev)
+    common = (tokens, slots, n_chunks)
+    grid = (rows, n_chunks)
+    kernels = [
+        _chunk_range_kernel[grid](scores, lens, ranges, *common, *lens.stride(), TOPK=topk,
+                                  CHUNK=chunk, num_warps=num_warps),
+        _chunk_hist_kernel[grid](scores, lens, ranges, hist, *common, *lens.stride(), TOPK=topk,
+                                 CHUNK=chunk, NUM_BINS=NUM_BINS, RANGE_TILES=range_tiles,
+                                 num_warps=num_warps),
+        _chunk_split_kernel[grid](scores, lens, ranges, hist, out, cand, cand_slot, meta, *common,
+                                  cap, *lens.stride(), TOPK=topk, CHUNK=chunk, NUM_BINS=NUM_BINS,
+                                  RANGE_TILES=range_tiles, HIST_TILES=hist_tiles,
+                                  HIST_TILE=_HIST_TILE, num_warps=num_warps),
+        _finish_kernel[(rows,)](scores, lens, out, cand, cand_slot, meta, tokens, slots, cap,
+                                *lens.stride(), TOPK=topk, BLOCK=_FINISH_BLOCK,
+                                FOR_LOOPS=scores.is_cuda, num_warps=8),
+    ]
+    return kernels
