@@ -5,18 +5,20 @@ rest is never read. Output: out [R, topk] int32, the slots of a top-`topk` set o
 prefix (order unspecified), -1 past min(len, topk).
 
 Rows with len <= topk take every valid slot (no score is read). Longer rows go through four
-kernels on static grids (capture-safe; programs past a row's length exit at once):
-  1. `_chunk_range_kernel`, grid (R, chunks): max and min of each chunk of CHUNK scores.
-  2. `_chunk_hist_kernel`, grid (R, chunks): histogram of each chunk over NUM_BINS equal bins
-     of the row's [min, max] (bin 0 holds the largest scores).
-  3. `_chunk_split_kernel`, grid (R, chunks): every program sums the row's chunk histograms and
-     finds the threshold bin, the one where the count from the top reaches topk. Scores above
-     it are written straight to `out` (their position is the count of such scores in earlier
-     chunks plus the rank within the chunk); scores in it are copied, with their slots, into a
-     candidate list of at most `cap` per row.
-  4. `_finish_kernel`, grid (R,): a radix select (8 bits a pass, `tl.histogram`) of the
-     missing ones among the candidates. When the threshold bin holds more than `cap` scores
-     (many ties, or a few extreme outliers stretching the bins), it runs over the whole row
+kernels on static grids (capture-safe). The three chunk kernels run `programs` programs per
+row, program p taking chunks p, p + programs, ... of CHUNK slots; chunks at or past the row's
+length are skipped, so the work follows the real length, not the workspace's width.
+  1. `_chunk_range_kernel`: max and min of each chunk.
+  2. `_chunk_hist_kernel`: histogram of each chunk over NUM_BINS equal bins of the row's
+     [min, max] (bin 0 holds the largest scores).
+  3. `_chunk_split_kernel`: every program sums the row's chunk histograms and finds the
+     threshold bin, the one where the count from the top reaches topk. Scores above it are
+     written straight to `out` (at the count of such scores in earlier chunks plus their rank
+     within the chunk); scores in it are copied, with their slots, into a candidate list of
+     at most `cap` per row.
+  4. `_finish_kernel`, one program per row: a radix select (8 bits a pass, `tl.histogram`) of
+     the missing ones among the candidates. When the threshold bin holds more than `cap`
+     scores (many ties, or extreme outliers stretching the bins), it runs over the whole row
      instead and writes all of `out` itself: slower, never wrong.
 Only the bin of a score decides where it goes, and kernels 2 and 3 compute it with the same
 code from the same inputs, so their counts agree exactly.
@@ -67,51 +69,81 @@ def _score_bin(x, top, scale, NUM_BINS: tl.constexpr):
 
 
 @triton.jit
-def _chunk_range_kernel(ws_ptr, lens_ptr, range_ptr, T, S_MAX, N_CHUNKS, sl_b, sl_t,
+def _chunk_range_kernel(ws_ptr, lens_ptr, range_ptr, T, S_MAX, N_CHUNKS, PROGRAMS, sl_b, sl_t,
                         TOPK: tl.constexpr, CHUNK: tl.constexpr):
     row = tl.program_id(0)
-    chunk = tl.program_id(1)
     n = _row_len(lens_ptr, row, T, S_MAX, sl_b, sl_t)
-    start = chunk * CHUNK
-    if (n > TOPK) & (start < n):
-        offs = start + tl.arange(0, CHUNK)
+    n_chunks = tl.where(n > TOPK, (n + CHUNK - 1) // CHUNK, 0)
+    chunk = tl.program_id(1)
+    while chunk < n_chunks:  # a while loop: the interpreter cannot range() over its tensors
+        offs = chunk * CHUNK + tl.arange(0, CHUNK)
         valid = offs < n
         x = tl.load(ws_ptr + row.to(tl.int64) * S_MAX + offs, mask=valid, other=0.0)
         out = range_ptr + (row * N_CHUNKS + chunk) * 2
         tl.store(out, tl.max(tl.where(valid, x, -float("inf")), axis=0))
         tl.store(out + 1, tl.min(tl.where(valid, x, float("inf")), axis=0))
+        chunk += PROGRAMS
 
 
 @triton.jit
-def _chunk_hist_kernel(ws_ptr, lens_ptr, range_ptr, hist_ptr, T, S_MAX, N_CHUNKS, sl_b, sl_t,
-                       TOPK: tl.constexpr, CHUNK: tl.constexpr, NUM_BINS: tl.constexpr,
-                       RANGE_TILES: tl.constexpr):
+def _chunk_hist_kernel(ws_ptr, lens_ptr, range_ptr, hist_ptr, T, S_MAX, N_CHUNKS, PROGRAMS,
+                       sl_b, sl_t, TOPK: tl.constexpr, CHUNK: tl.constexpr,
+                       NUM_BINS: tl.constexpr, RANGE_TILES: tl.constexpr):
     row = tl.program_id(0)
-    chunk = tl.program_id(1)
     n = _row_len(lens_ptr, row, T, S_MAX, sl_b, sl_t)
-    start = chunk * CHUNK
-    if (n > TOPK) & (start < n):
-        top, scale = _row_grid(range_ptr, row, (n + CHUNK - 1) // CHUNK, N_CHUNKS, RANGE_TILES,
-                               NUM_BINS)
-        offs = start + tl.arange(0, CHUNK)
-        valid = offs < n
-        x = tl.load(ws_ptr + row.to(tl.int64) * S_MAX + offs, mask=valid, other=0.0)
-        hist = tl.histogram(_score_bin(x, top, scale, NUM_BINS), NUM_BINS, mask=valid)
-        tl.store(hist_ptr + (row * N_CHUNKS + chunk) * NUM_BINS + tl.arange(0, NUM_BINS), hist)
+    n_chunks = tl.where(n > TOPK, (n + CHUNK - 1) // CHUNK, 0)
+    chunk = tl.program_id(1)
+    if chunk < n_chunks:
+        top, scale = _row_grid(range_ptr, row, n_chunks, N_CHUNKS, RANGE_TILES, NUM_BINS)
+        while chunk < n_chunks:
+            offs = chunk * CHUNK + tl.arange(0, CHUNK)
+            valid = offs < n
+            x = tl.load(ws_ptr + row.to(tl.int64) * S_MAX + offs, mask=valid, other=0.0)
+            hist = tl.histogram(_score_bin(x, top, scale, NUM_BINS), NUM_BINS, mask=valid)
+            tl.store(hist_ptr + (row * N_CHUNKS + chunk) * NUM_BINS + tl.arange(0, NUM_BINS),
+                     hist)
+            chunk += PROGRAMS
+
+
+@triton.jit
+def _split_chunk(ws_ptr, hist_row, out_ptr, cand_ptr, cand_slot_ptr, row, chunk, n, d, top,
+                 scale, S_MAX, CAP, TOPK: tl.constexpr, CHUNK: tl.constexpr,
+                 NUM_BINS: tl.constexpr, HIST_TILES: tl.constexpr, HIST_TILE: tl.constexpr):
+    """Write one chunk's scores above bin d to the row's output and those in it to the
+    candidate list, after what earlier chunks wrote (counted from their histograms)."""
+    bins = tl.arange(0, NUM_BINS)
+    above_before = 0
+    ties_before = 0
+    for tile in range(0, HIST_TILES):
+        ch = tile * HIST_TILE + tl.arange(0, HIST_TILE)
+        h = tl.load(hist_row + ch[:, None] * NUM_BINS + bins[None, :],
+                    mask=(ch < chunk)[:, None], other=0)
+        above_before += tl.sum(tl.sum(tl.where(bins[None, :] < d, h, 0), axis=1), axis=0)
+        ties_before += tl.sum(tl.sum(tl.where(bins[None, :] == d, h, 0), axis=1), axis=0)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    valid = offs < n
+    x = tl.load(ws_ptr + row.to(tl.int64) * S_MAX + offs, mask=valid, other=0.0)
+    b = _score_bin(x, top, scale, NUM_BINS)
+    take = (valid & (b < d)).to(tl.int32)
+    pos = above_before + tl.cumsum(take, axis=0) - take
+    tl.store(out_ptr + row.to(tl.int64) * TOPK + pos, offs, mask=take != 0)
+    cand = (valid & (b == d)).to(tl.int32)
+    cpos = ties_before + tl.cumsum(cand, axis=0) - cand
+    tl.store(cand_ptr + row.to(tl.int64) * CAP + cpos, x, mask=cand != 0)
+    tl.store(cand_slot_ptr + row.to(tl.int64) * CAP + cpos, offs, mask=cand != 0)
 
 
 @triton.jit
 def _chunk_split_kernel(ws_ptr, lens_ptr, range_ptr, hist_ptr, out_ptr, cand_ptr, cand_slot_ptr,
-                        meta_ptr, T, S_MAX, N_CHUNKS, CAP, sl_b, sl_t,
+                        meta_ptr, T, S_MAX, N_CHUNKS, PROGRAMS, CAP, sl_b, sl_t,
                         TOPK: tl.constexpr, CHUNK: tl.constexpr, NUM_BINS: tl.constexpr,
                         RANGE_TILES: tl.constexpr, HIST_TILES: tl.constexpr,
                         HIST_TILE: tl.constexpr):
     row = tl.program_id(0)
-    chunk = tl.program_id(1)
     n = _row_len(lens_ptr, row, T, S_MAX, sl_b, sl_t)
-    start = chunk * CHUNK
-    if (n > TOPK) & (start < n):
-        n_chunks = (n + CHUNK - 1) // CHUNK
+    n_chunks = tl.where(n > TOPK, (n + CHUNK - 1) // CHUNK, 0)
+    chunk = tl.program_id(1)
+    if chunk < n_chunks:
         top, scale = _row_grid(range_ptr, row, n_chunks, N_CHUNKS, RANGE_TILES, NUM_BINS)
         bins = tl.arange(0, NUM_BINS)
         hist_row = hist_ptr + row * N_CHUNKS * NUM_BINS
@@ -125,31 +157,16 @@ def _chunk_split_kernel(ws_ptr, lens_ptr, range_ptr, hist_ptr, out_ptr, cand_ptr
         d = tl.sum((tl.cumsum(total, axis=0) < TOPK).to(tl.int32), axis=0)
         above = tl.sum(tl.where(bins < d, total, 0), axis=0)
         ties = tl.sum(tl.where(bins == d, total, 0), axis=0)
-        # What earlier chunks put above the bin and into it: this chunk's write offsets.
-        above_before = 0
-        ties_before = 0
-        for tile in range(0, HIST_TILES):
-            ch = tile * HIST_TILE + tl.arange(0, HIST_TILE)
-            h = tl.load(hist_row + ch[:, None] * NUM_BINS + bins[None, :],
-                        mask=(ch < chunk)[:, None], other=0)
-            above_before += tl.sum(tl.sum(tl.where(bins[None, :] < d, h, 0), axis=1), axis=0)
-            ties_before += tl.sum(tl.sum(tl.where(bins[None, :] == d, h, 0), axis=1), axis=0)
         fits = ties <= CAP
         if chunk == 0:
             tl.store(meta_ptr + row * 2, tl.where(fits, ties, -1))
             tl.store(meta_ptr + row * 2 + 1, above)
         if fits:
-            offs = start + tl.arange(0, CHUNK)
-            valid = offs < n
-            x = tl.load(ws_ptr + row.to(tl.int64) * S_MAX + offs, mask=valid, other=0.0)
-            b = _score_bin(x, top, scale, NUM_BINS)
-            take = (valid & (b < d)).to(tl.int32)
-            pos = above_before + tl.cumsum(take, axis=0) - take
-            tl.store(out_ptr + row.to(tl.int64) * TOPK + pos, offs, mask=take != 0)
-            cand = (valid & (b == d)).to(tl.int32)
-            cpos = ties_before + tl.cumsum(cand, axis=0) - cand
-            tl.store(cand_ptr + row.to(tl.int64) * CAP + cpos, x, mask=cand != 0)
-            tl.store(cand_slot_ptr + row.to(tl.int64) * CAP + cpos, offs, mask=cand != 0)
+            while chunk < n_chunks:
+                _split_chunk(ws_ptr, hist_row, out_ptr, cand_ptr, cand_slot_ptr, row, chunk, n,
+                             d, top, scale, S_MAX, CAP, TOPK, CHUNK, NUM_BINS, HIST_TILES,
+                             HIST_TILE)
+                chunk += PROGRAMS
 
 
 @triton.jit
@@ -259,19 +276,29 @@ def candidate_cap(topk: int) -> int:
     return max(2048, 2 * topk)
 
 
+def programs_per_row(rows: int, n_chunks: int, device: torch.device) -> int:
+    """Chunk programs per row: about 8 per SM over all rows, at most one per chunk. Each walks
+    chunks p, p + programs, ... so a short row in a long workspace costs few empty programs."""
+    if device.type != "cuda":
+        return min(n_chunks, 4)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(n_chunks, triton.cdiv(8 * sms, rows)))
+
+
 def select_topk_triton(scores: torch.Tensor, lens: torch.Tensor, topk: int, out: torch.Tensor,
                        *, chunk: int = DEFAULT_CHUNK, num_warps: int = 8,
-                       cap: int | None = None) -> list:
+                       cap: int | None = None, programs: int | None = None) -> list:
     """Top-`topk` slots of each row of scores [B, T, S] f32 (valid where s < lens[b, t], never
     read elsewhere) into out [B, T, topk] int32 (contiguous); returns the launched kernels.
 
-    `chunk` (a power of two >= 16) is the slots per program of the three chunk kernels,
-    `num_warps` their warps, `cap` the candidates kept per row (tests force the overflow path
-    with a small one).
+    `chunk` (a power of two >= 16) is the slots per chunk, `num_warps` the warps of the chunk
+    kernels, `programs` their programs per row (default `programs_per_row`), `cap` the
+    candidates kept per row (tests force the whole-row fallback with a small one).
     """
     batch, tokens, slots = scores.shape
     rows = batch * tokens
     n_chunks = triton.cdiv(slots, chunk)
+    programs = min(programs or programs_per_row(rows, n_chunks, scores.device), n_chunks)
     range_tiles = triton.cdiv(n_chunks, _RANGE_TILE)
     hist_tiles = triton.cdiv(n_chunks, _HIST_TILE)
     cap = cap or candidate_cap(topk)
@@ -281,8 +308,8 @@ def select_topk_triton(scores: torch.Tensor, lens: torch.Tensor, topk: int, out:
     cand = torch.empty((rows, cap), dtype=torch.float32, device=dev)
     cand_slot = torch.empty((rows, cap), dtype=torch.int32, device=dev)
     meta = torch.empty((rows, 2), dtype=torch.int32, device=dev)
-    common = (tokens, slots, n_chunks)
-    grid = (rows, n_chunks)
+    common = (tokens, slots, n_chunks, programs)
+    grid = (rows, programs)
     kernels = [
         _chunk_range_kernel[grid](scores, lens, ranges, *common, *lens.stride(), TOPK=topk,
                                   CHUNK=chunk, num_warps=num_warps),

@@ -56,8 +56,9 @@ def select_cases(draw):
     lens = [[min(draw(len_choice), slots) for _ in range(tokens)] for _ in range(batch)]
     kind = draw(st.sampled_from(["gaussian", "gaussian", "ties", "outlier", "constant"]))
     cap = draw(st.sampled_from([None, None, 4]))
+    programs = draw(st.sampled_from([None, 1, 3]))  # chunk programs per row
     return dict(batch=batch, tokens=tokens, chunk=chunk, slots=slots, topk=topk, lens=lens,
-                kind=kind, cap=cap, seed=draw(st.integers(0, 2**31 - 1)))
+                kind=kind, cap=cap, programs=programs, seed=draw(st.integers(0, 2**31 - 1)))
 
 
 @given(select_cases())
@@ -70,14 +71,15 @@ def test_chunked_select_matches_torch_topk(case):
     poisoned[torch.arange(case["slots"]) >= lens[..., None]] = float("nan")
     out = torch.full(shape[:2] + (case["topk"],), -7, dtype=torch.int32)
     sel.select_topk_triton(poisoned, lens, case["topk"], out, chunk=case["chunk"],
-                           cap=case["cap"])
+                           cap=case["cap"], programs=case["programs"])
     assert_row_topk(out, scores, lens, case["topk"])
 
 
 @pytest.mark.parametrize("kind, cap", [("gaussian", None), ("ties", None), ("outlier", None),
                                        ("gaussian", 8)])
 def test_more_chunks_than_one_tile(kind, cap):
-    """70 chunks of 16 slots: the row's chunk histograms are summed over two tiles of 64."""
+    """70 chunks of 16 slots, 4 programs walking 18 chunks each: the row's chunk ranges are
+    reduced over two tiles of 64, its histograms over five tiles of 16."""
     gen = torch.Generator().manual_seed(5)
     scores = make_scores(kind, (1, 1, 1120), gen)
     lens = torch.tensor([[1111]], dtype=torch.int32)
