@@ -8,9 +8,10 @@ Rows with len <= topk take every valid slot (no score is read). Longer rows go t
 kernels on static grids (capture-safe). The three chunk kernels run `programs` programs per
 row, program p taking chunks p, p + programs, ... of CHUNK slots; chunks at or past the row's
 length are skipped, so the work follows the real length, not the workspace's width.
-  1. `_chunk_range_kernel`: max and min of each chunk.
+  1. `_chunk_stats_kernel`: max, min, mean and squared deviation of each chunk.
   2. `_chunk_hist_kernel`: histogram of each chunk over NUM_BINS equal bins of the row's
-     [min, max] (bin 0 holds the largest scores).
+     [min, max] cut to mean -/+ SPREAD standard deviations (bin 0 holds the largest scores;
+     scores beyond the cut land in the end bins).
   3. `_chunk_split_kernel`: every program sums the row's chunk histograms and finds the
      threshold bin, the one where the count from the top reaches topk. Scores above it are
      written straight to `out` (at the count of such scores in earlier chunks plus their rank
@@ -18,8 +19,8 @@ length are skipped, so the work follows the real length, not the workspace's wid
      at most `cap` per row.
   4. `_finish_kernel`, one program per row: a radix select (8 bits a pass, `tl.histogram`) of
      the missing ones among the candidates. When the threshold bin holds more than `cap`
-     scores (many ties, or extreme outliers stretching the bins), it runs over the whole row
-     instead and writes all of `out` itself: slower, never wrong.
+     scores (many ties, or most scores packed in a sliver of the binned range), it runs over
+     the whole row instead and writes all of `out` itself: slower, never wrong.
 Only the bin of a score decides where it goes, and kernels 2 and 3 compute it with the same
 code from the same inputs, so their counts agree exactly.
 """
@@ -30,8 +31,9 @@ import triton
 import triton.language as tl
 
 NUM_BINS = 64
-DEFAULT_CHUNK = 4096
-_RANGE_TILE = 64  # chunk ranges per load when a kernel reduces a row's range
+DEFAULT_CHUNK = 2048  # with 8 warps: 8 scores a thread, about 100 registers in the split kernel
+SPREAD = 8.0  # the bins stop this many standard deviations from the row's mean
+_STATS_TILE = tl.constexpr(64)  # chunks whose statistics one load of `_row_grid` reads
 _HIST_TILE = 16  # chunk histograms per [chunks, NUM_BINS] load when a kernel sums them
 _FINISH_BLOCK = 1024
 
@@ -45,18 +47,36 @@ def _row_len(lens_ptr, row, T, S_MAX, sl_b, sl_t):
 
 
 @triton.jit
-def _row_grid(range_ptr, row, n_chunks, N_CHUNKS, RANGE_TILES: tl.constexpr,
-              NUM_BINS: tl.constexpr):
-    """(top, scale) of the row's bins: bin(x) = (top - x) * scale, from the chunk ranges."""
+def _row_grid(stats_ptr, row, n, n_chunks, N_CHUNKS, CHUNK: tl.constexpr,
+              STATS_TILES: tl.constexpr, NUM_BINS: tl.constexpr, SPREAD: tl.constexpr):
+    """(top, scale) of the row's bins, bin(x) = (top - x) * scale, from the chunk statistics.
+
+    The bins span [min, max] of the row, cut to mean -/+ SPREAD standard deviations, so that a
+    few outliers (an attention sink) do not stretch them; scores beyond land in the end bins.
+    """
     top = -float("inf")
     bottom = float("inf")
-    for tile in tl.static_range(RANGE_TILES):  # RANGE_TILES * 64 >= N_CHUNKS
-        ch = tile * 64 + tl.arange(0, 64)
+    total = 0.0
+    for tile in tl.static_range(STATS_TILES):  # STATS_TILES * _STATS_TILE >= N_CHUNKS
+        ch = tile * _STATS_TILE + tl.arange(0, _STATS_TILE)
         ok = ch < n_chunks
-        base = range_ptr + (row * N_CHUNKS + ch) * 2
+        base = stats_ptr + (row * N_CHUNKS + ch) * 4
+        count = tl.where(ok, tl.minimum(n - ch * CHUNK, CHUNK), 0).to(tl.float32)
         top = tl.maximum(top, tl.max(tl.load(base, mask=ok, other=-float("inf")), axis=0))
         bottom = tl.minimum(bottom, tl.min(tl.load(base + 1, mask=ok, other=float("inf")), axis=0))
-    width = top - bottom
+        total += tl.sum(count * tl.load(base + 2, mask=ok, other=0.0), axis=0)
+    mean = total / n.to(tl.float32)
+    m2 = 0.0  # Chan et al.'s pairwise combination of the chunks' squared deviations
+    for tile in tl.static_range(STATS_TILES):
+        ch = tile * _STATS_TILE + tl.arange(0, _STATS_TILE)
+        ok = ch < n_chunks
+        base = stats_ptr + (row * N_CHUNKS + ch) * 4
+        count = tl.where(ok, tl.minimum(n - ch * CHUNK, CHUNK), 0).to(tl.float32)
+        dev = tl.load(base + 2, mask=ok, other=0.0) - mean
+        m2 += tl.sum(tl.load(base + 3, mask=ok, other=0.0) + count * dev * dev, axis=0)
+    spread = SPREAD * tl.sqrt(m2 / n.to(tl.float32))
+    top = tl.minimum(top, mean + spread)
+    width = top - tl.maximum(bottom, mean - spread)
     scale = tl.where(width > 0, NUM_BINS / tl.where(width > 0, width, 1.0), 0.0)
     return top, scale
 
@@ -69,7 +89,7 @@ def _score_bin(x, top, scale, NUM_BINS: tl.constexpr):
 
 
 @triton.jit
-def _chunk_range_kernel(ws_ptr, lens_ptr, range_ptr, T, S_MAX, N_CHUNKS, PROGRAMS, sl_b, sl_t,
+def _chunk_stats_kernel(ws_ptr, lens_ptr, stats_ptr, T, S_MAX, N_CHUNKS, PROGRAMS, sl_b, sl_t,
                         TOPK: tl.constexpr, CHUNK: tl.constexpr):
     row = tl.program_id(0)
     n = _row_len(lens_ptr, row, T, S_MAX, sl_b, sl_t)
@@ -79,22 +99,27 @@ def _chunk_range_kernel(ws_ptr, lens_ptr, range_ptr, T, S_MAX, N_CHUNKS, PROGRAM
         offs = chunk * CHUNK + tl.arange(0, CHUNK)
         valid = offs < n
         x = tl.load(ws_ptr + row.to(tl.int64) * S_MAX + offs, mask=valid, other=0.0)
-        out = range_ptr + (row * N_CHUNKS + chunk) * 2
+        mean = tl.sum(x, axis=0) / tl.minimum(n - chunk * CHUNK, CHUNK).to(tl.float32)
+        dev = tl.where(valid, x - mean, 0.0)
+        out = stats_ptr + (row * N_CHUNKS + chunk) * 4
         tl.store(out, tl.max(tl.where(valid, x, -float("inf")), axis=0))
         tl.store(out + 1, tl.min(tl.where(valid, x, float("inf")), axis=0))
+        tl.store(out + 2, mean)
+        tl.store(out + 3, tl.sum(dev * dev, axis=0))
         chunk += PROGRAMS
 
 
 @triton.jit
-def _chunk_hist_kernel(ws_ptr, lens_ptr, range_ptr, hist_ptr, T, S_MAX, N_CHUNKS, PROGRAMS,
+def _chunk_hist_kernel(ws_ptr, lens_ptr, stats_ptr, hist_ptr, T, S_MAX, N_CHUNKS, PROGRAMS,
                        sl_b, sl_t, TOPK: tl.constexpr, CHUNK: tl.constexpr,
-                       NUM_BINS: tl.constexpr, RANGE_TILES: tl.constexpr):
+                       NUM_BINS: tl.constexpr, STATS_TILES: tl.constexpr, SPREAD: tl.constexpr):
     row = tl.program_id(0)
     n = _row_len(lens_ptr, row, T, S_MAX, sl_b, sl_t)
     n_chunks = tl.where(n > TOPK, (n + CHUNK - 1) // CHUNK, 0)
     chunk = tl.program_id(1)
     if chunk < n_chunks:
-        top, scale = _row_grid(range_ptr, row, n_chunks, N_CHUNKS, RANGE_TILES, NUM_BINS)
+        top, scale = _row_grid(stats_ptr, row, n, n_chunks, N_CHUNKS, CHUNK, STATS_TILES,
+                               NUM_BINS, SPREAD)
         while chunk < n_chunks:
             offs = chunk * CHUNK + tl.arange(0, CHUNK)
             valid = offs < n
@@ -108,18 +133,20 @@ def _chunk_hist_kernel(ws_ptr, lens_ptr, range_ptr, hist_ptr, T, S_MAX, N_CHUNKS
 @triton.jit
 def _split_chunk(ws_ptr, hist_row, out_ptr, cand_ptr, cand_slot_ptr, row, chunk, n, d, top,
                  scale, S_MAX, CAP, TOPK: tl.constexpr, CHUNK: tl.constexpr,
-                 NUM_BINS: tl.constexpr, HIST_TILES: tl.constexpr, HIST_TILE: tl.constexpr):
+                 NUM_BINS: tl.constexpr, HIST_TILE: tl.constexpr):
     """Write one chunk's scores above bin d to the row's output and those in it to the
     candidate list, after what earlier chunks wrote (counted from their histograms)."""
     bins = tl.arange(0, NUM_BINS)
     above_before = 0
     ties_before = 0
-    for tile in range(0, HIST_TILES):
-        ch = tile * HIST_TILE + tl.arange(0, HIST_TILE)
+    first = 0
+    while first < chunk:
+        ch = first + tl.arange(0, HIST_TILE)
         h = tl.load(hist_row + ch[:, None] * NUM_BINS + bins[None, :],
                     mask=(ch < chunk)[:, None], other=0)
         above_before += tl.sum(tl.sum(tl.where(bins[None, :] < d, h, 0), axis=1), axis=0)
         ties_before += tl.sum(tl.sum(tl.where(bins[None, :] == d, h, 0), axis=1), axis=0)
+        first += HIST_TILE
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
     valid = offs < n
     x = tl.load(ws_ptr + row.to(tl.int64) * S_MAX + offs, mask=valid, other=0.0)
@@ -134,25 +161,28 @@ def _split_chunk(ws_ptr, hist_row, out_ptr, cand_ptr, cand_slot_ptr, row, chunk,
 
 
 @triton.jit
-def _chunk_split_kernel(ws_ptr, lens_ptr, range_ptr, hist_ptr, out_ptr, cand_ptr, cand_slot_ptr,
+def _chunk_split_kernel(ws_ptr, lens_ptr, stats_ptr, hist_ptr, out_ptr, cand_ptr, cand_slot_ptr,
                         meta_ptr, T, S_MAX, N_CHUNKS, PROGRAMS, CAP, sl_b, sl_t,
                         TOPK: tl.constexpr, CHUNK: tl.constexpr, NUM_BINS: tl.constexpr,
-                        RANGE_TILES: tl.constexpr, HIST_TILES: tl.constexpr,
-                        HIST_TILE: tl.constexpr):
+                        STATS_TILES: tl.constexpr, HIST_TILE: tl.constexpr,
+                        SPREAD: tl.constexpr):
     row = tl.program_id(0)
     n = _row_len(lens_ptr, row, T, S_MAX, sl_b, sl_t)
     n_chunks = tl.where(n > TOPK, (n + CHUNK - 1) // CHUNK, 0)
     chunk = tl.program_id(1)
     if chunk < n_chunks:
-        top, scale = _row_grid(range_ptr, row, n_chunks, N_CHUNKS, RANGE_TILES, NUM_BINS)
+        top, scale = _row_grid(stats_ptr, row, n, n_chunks, N_CHUNKS, CHUNK, STATS_TILES,
+                               NUM_BINS, SPREAD)
         bins = tl.arange(0, NUM_BINS)
         hist_row = hist_ptr + row * N_CHUNKS * NUM_BINS
         total = tl.zeros((NUM_BINS,), tl.int32)
-        for tile in range(0, HIST_TILES):  # a loop, not unrolled: one small tile live at a time
-            ch = tile * HIST_TILE + tl.arange(0, HIST_TILE)
+        first = 0
+        while first < n_chunks:  # one small tile of chunk histograms live at a time
+            ch = first + tl.arange(0, HIST_TILE)
             h = tl.load(hist_row + ch[:, None] * NUM_BINS + bins[None, :],
                         mask=(ch < n_chunks)[:, None], other=0)
             total += tl.sum(h, axis=0)
+            first += HIST_TILE
         # Threshold bin d: the first (from the top) where the running count reaches TOPK.
         d = tl.sum((tl.cumsum(total, axis=0) < TOPK).to(tl.int32), axis=0)
         above = tl.sum(tl.where(bins < d, total, 0), axis=0)
@@ -164,8 +194,7 @@ def _chunk_split_kernel(ws_ptr, lens_ptr, range_ptr, hist_ptr, out_ptr, cand_ptr
         if fits:
             while chunk < n_chunks:
                 _split_chunk(ws_ptr, hist_row, out_ptr, cand_ptr, cand_slot_ptr, row, chunk, n,
-                             d, top, scale, S_MAX, CAP, TOPK, CHUNK, NUM_BINS, HIST_TILES,
-                             HIST_TILE)
+                             d, top, scale, S_MAX, CAP, TOPK, CHUNK, NUM_BINS, HIST_TILE)
                 chunk += PROGRAMS
 
 
@@ -299,11 +328,10 @@ def select_topk_triton(scores: torch.Tensor, lens: torch.Tensor, topk: int, out:
     rows = batch * tokens
     n_chunks = triton.cdiv(slots, chunk)
     programs = min(programs or programs_per_row(rows, n_chunks, scores.device), n_chunks)
-    range_tiles = triton.cdiv(n_chunks, _RANGE_TILE)
-    hist_tiles = triton.cdiv(n_chunks, _HIST_TILE)
+    stats_tiles = triton.cdiv(n_chunks, _STATS_TILE.value)
     cap = cap or candidate_cap(topk)
     dev = scores.device
-    ranges = torch.empty((rows, n_chunks, 2), dtype=torch.float32, device=dev)
+    stats = torch.empty((rows, n_chunks, 4), dtype=torch.float32, device=dev)
     hist = torch.empty((rows, n_chunks, NUM_BINS), dtype=torch.int32, device=dev)
     cand = torch.empty((rows, cap), dtype=torch.float32, device=dev)
     cand_slot = torch.empty((rows, cap), dtype=torch.int32, device=dev)
@@ -311,15 +339,15 @@ def select_topk_triton(scores: torch.Tensor, lens: torch.Tensor, topk: int, out:
     common = (tokens, slots, n_chunks, programs)
     grid = (rows, programs)
     kernels = [
-        _chunk_range_kernel[grid](scores, lens, ranges, *common, *lens.stride(), TOPK=topk,
+        _chunk_stats_kernel[grid](scores, lens, stats, *common, *lens.stride(), TOPK=topk,
                                   CHUNK=chunk, num_warps=num_warps),
-        _chunk_hist_kernel[grid](scores, lens, ranges, hist, *common, *lens.stride(), TOPK=topk,
-                                 CHUNK=chunk, NUM_BINS=NUM_BINS, RANGE_TILES=range_tiles,
-                                 num_warps=num_warps),
-        _chunk_split_kernel[grid](scores, lens, ranges, hist, out, cand, cand_slot, meta, *common,
+        _chunk_hist_kernel[grid](scores, lens, stats, hist, *common, *lens.stride(), TOPK=topk,
+                                 CHUNK=chunk, NUM_BINS=NUM_BINS, STATS_TILES=stats_tiles,
+                                 SPREAD=SPREAD, num_warps=num_warps),
+        _chunk_split_kernel[grid](scores, lens, stats, hist, out, cand, cand_slot, meta, *common,
                                   cap, *lens.stride(), TOPK=topk, CHUNK=chunk, NUM_BINS=NUM_BINS,
-                                  RANGE_TILES=range_tiles, HIST_TILES=hist_tiles,
-                                  HIST_TILE=_HIST_TILE, num_warps=num_warps),
+                                  STATS_TILES=stats_tiles, HIST_TILE=_HIST_TILE, SPREAD=SPREAD,
+                                  num_warps=num_warps),
         _finish_kernel[(rows,)](scores, lens, out, cand, cand_slot, meta, tokens, slots, cap,
                                 *lens.stride(), TOPK=topk, BLOCK=_FINISH_BLOCK,
                                 FOR_LOOPS=scores.is_cuda, num_warps=8),
