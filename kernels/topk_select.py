@@ -206,43 +206,60 @@ def _order_key(scores):
 
 
 @triton.jit
-def _digit_histogram(src, start, n, prefix, PASS: tl.constexpr, BLOCK: tl.constexpr):
-    """Histogram [256] of digit PASS (8 bits, high first) of the unsigned keys in
-    [start, start + BLOCK) that agree with `prefix` on the higher digits."""
-    shift: tl.constexpr = 24 - 8 * PASS
+def _load_keys(src, start, count, BLOCK: tl.constexpr):
+    """(order keys [BLOCK], valid mask) of the scores src[start : start + BLOCK] below count."""
     offs = start + tl.arange(0, BLOCK)
-    valid = offs < n
-    u = _order_key(tl.load(src + offs, mask=valid, other=0.0)) ^ -2147483648
+    valid = offs < count
+    return _order_key(tl.load(src + offs, mask=valid, other=0.0)), valid
+
+
+@triton.jit
+def _digit_histogram(key, valid, prefix, PASS: tl.constexpr):
+    """Histogram [256] of digit PASS (8 bits, high first) of the unsigned images
+    u = key ^ 0x80000000 that agree with `prefix` on the higher digits."""
+    shift: tl.constexpr = 24 - 8 * PASS
+    u = key ^ -2147483648
     if PASS > 0:
         valid = valid & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
     return tl.histogram((u >> shift) & 255, 256, mask=valid)
 
 
 @triton.jit
-def _compact_block(src, slot_src, from_list, out_row, start, n, threshold, remaining, taken,
-                   ties_seen, BLOCK: tl.constexpr):
-    """Write the slots of [start, start + BLOCK) above `threshold`, and ties while fewer than
-    `remaining` ties were taken; returns the updated (taken, ties_seen) counts. A slot is the
-    position itself, or read from `slot_src` when `from_list`."""
-    offs = start + tl.arange(0, BLOCK)
-    valid = offs < n
-    key = _order_key(tl.load(src + offs, mask=valid, other=0.0))
+def _next_digit(hist, prefix, remaining, PASS: tl.constexpr):
+    """Fix digit PASS: the largest whose count at or above it reaches `remaining`; returns the
+    extended prefix and how many are still to take at or below it."""
+    digits = tl.arange(0, 256)
+    at_or_above = tl.cumsum(hist, axis=0, reverse=True)
+    digit = tl.max(tl.where(at_or_above >= remaining, digits, 0), axis=0)
+    remaining -= tl.sum(tl.where(digits > digit, hist, 0), axis=0)
+    return prefix | (digit << (24 - 8 * PASS)), remaining
+
+
+@triton.jit
+def _compact(key, valid, slots, out_row, threshold, remaining, taken, ties_seen):
+    """Write the slots whose key is above `threshold`, and ties while fewer than `remaining`
+    ties were taken, after `taken` earlier ones; returns the updated (taken, ties_seen)."""
     above = (valid & (key > threshold)).to(tl.int32)
     tie = (valid & (key == threshold)).to(tl.int32)
     tie_rank = ties_seen + tl.cumsum(tie, axis=0) - tie
     take = above | (tie & (tie_rank < remaining).to(tl.int32))
     pos = taken + tl.cumsum(take, axis=0) - take
-    slots = offs
-    if from_list:
-        slots = tl.load(slot_src + offs, mask=take != 0, other=-1)
     tl.store(out_row + pos, slots, mask=take != 0)
     return taken + tl.sum(take, axis=0), ties_seen + tl.sum(tie, axis=0)
 
 
 @triton.jit
+def _slots(slot_src, from_list, start, valid, BLOCK: tl.constexpr):
+    """Slots of entries [start, start + BLOCK): the position, or read from the list."""
+    slots = start + tl.arange(0, BLOCK)
+    if from_list:
+        slots = tl.load(slot_src + slots, mask=valid, other=-1)
+    return slots
+
+
+@triton.jit
 def _finish_kernel(ws_ptr, lens_ptr, out_ptr, cand_ptr, cand_slot_ptr, meta_ptr, T, S_MAX, CAP,
-                   sl_b, sl_t, TOPK: tl.constexpr, BLOCK: tl.constexpr,
-                   FOR_LOOPS: tl.constexpr):
+                   sl_b, sl_t, TOPK: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     n = _row_len(lens_ptr, row, T, S_MAX, sl_b, sl_t)
     out_row = out_ptr + row.to(tl.int64) * TOPK
@@ -267,36 +284,38 @@ def _finish_kernel(ws_ptr, lens_ptr, out_ptr, cand_ptr, cand_slot_ptr, meta_ptr,
         # `prefix` holds the digits fixed so far, `remaining` how many to take at or below it.
         prefix = 0
         remaining = TOPK - base
-        digits = tl.arange(0, 256)
-        for p in tl.static_range(4):
-            hist = tl.zeros((256,), tl.int32)
-            if FOR_LOOPS:
-                for start in range(0, count, BLOCK):
-                    hist += _digit_histogram(src, start, count, prefix, p, BLOCK)
-            else:  # the interpreter (numpy >= 2.4) cannot take 1-element tensors as range()
+        out_rest = out_row + base
+        if count <= BLOCK:  # the usual case: the candidates stay in registers
+            key, valid = _load_keys(src, 0, count, BLOCK)
+            lo = tl.min(tl.where(valid, key, 2147483647), axis=0) ^ -2147483648
+            hi = tl.max(tl.where(valid, key, -2147483648), axis=0) ^ -2147483648
+            for p in tl.static_range(4):
+                shift = 24 - 8 * p
+                if (lo >> shift) == (hi >> shift):  # one bin's candidates share the high digits
+                    prefix = prefix | (((hi >> shift) & 255) << shift)
+                else:
+                    prefix, remaining = _next_digit(_digit_histogram(key, valid, prefix, p),
+                                                    prefix, remaining, p)
+            _compact(key, valid, _slots(slot_src, from_list, 0, valid, BLOCK), out_rest,
+                     prefix ^ -2147483648, remaining, 0, 0)
+        else:  # while loops: the interpreter cannot range() over its 1-element tensors
+            for p in tl.static_range(4):
+                hist = tl.zeros((256,), tl.int32)
                 start = 0
                 while start < count:
-                    hist += _digit_histogram(src, start, count, prefix, p, BLOCK)
+                    key, valid = _load_keys(src, start, count, BLOCK)
+                    hist += _digit_histogram(key, valid, prefix, p)
                     start += BLOCK
-            at_or_above = tl.cumsum(hist, axis=0, reverse=True)
-            digit = tl.max(tl.where(at_or_above >= remaining, digits, 0), axis=0)
-            remaining -= tl.sum(tl.where(digits > digit, hist, 0), axis=0)
-            prefix = prefix | (digit << (24 - 8 * p))
-        threshold = prefix ^ -2147483648  # back to the signed key
-        taken = 0
-        ties_seen = 0
-        out_rest = out_row + base
-        if FOR_LOOPS:
-            for start in range(0, count, BLOCK):
-                taken, ties_seen = _compact_block(src, slot_src, from_list, out_rest, start,
-                                                  count, threshold, remaining, taken, ties_seen,
-                                                  BLOCK)
-        else:
+                prefix, remaining = _next_digit(hist, prefix, remaining, p)
+            taken = 0
+            ties_seen = 0
             start = 0
             while start < count:
-                taken, ties_seen = _compact_block(src, slot_src, from_list, out_rest, start,
-                                                  count, threshold, remaining, taken, ties_seen,
-                                                  BLOCK)
+                key, valid = _load_keys(src, start, count, BLOCK)
+                taken, ties_seen = _compact(key, valid, _slots(slot_src, from_list, start, valid,
+                                                               BLOCK),
+                                            out_rest, prefix ^ -2147483648, remaining, taken,
+                                            ties_seen)
                 start += BLOCK
 
 
@@ -349,7 +368,6 @@ def select_topk_triton(scores: torch.Tensor, lens: torch.Tensor, topk: int, out:
                                   STATS_TILES=stats_tiles, HIST_TILE=_HIST_TILE, SPREAD=SPREAD,
                                   num_warps=num_warps),
         _finish_kernel[(rows,)](scores, lens, out, cand, cand_slot, meta, tokens, slots, cap,
-                                *lens.stride(), TOPK=topk, BLOCK=_FINISH_BLOCK,
-                                FOR_LOOPS=scores.is_cuda, num_warps=8),
+                                *lens.stride(), TOPK=topk, BLOCK=_FINISH_BLOCK, num_warps=8),
     ]
     return kernels
