@@ -21,8 +21,8 @@ length are skipped, so the work follows the real length, not the workspace's wid
      the missing ones among the candidates. When the threshold bin holds more than `cap`
      scores (many ties, or most scores packed in a sliver of the binned range), it runs over
      the whole row instead and writes all of `out` itself: slower, never wrong.
-Only the bin of a score decides where it goes, and kernels 2 and 3 compute it with the same
-code from the same inputs, so their counts agree exactly.
+Only the bin of a score decides where it goes, and kernel 3 bins with the row's (top, scale)
+that kernel 2 stored and the same elementwise code, so their counts agree exactly.
 """
 from __future__ import annotations
 
@@ -110,8 +110,8 @@ def _chunk_stats_kernel(ws_ptr, lens_ptr, stats_ptr, T, S_MAX, N_CHUNKS, PROGRAM
 
 
 @triton.jit
-def _chunk_hist_kernel(ws_ptr, lens_ptr, stats_ptr, hist_ptr, T, S_MAX, N_CHUNKS, PROGRAMS,
-                       sl_b, sl_t, TOPK: tl.constexpr, CHUNK: tl.constexpr,
+def _chunk_hist_kernel(ws_ptr, lens_ptr, stats_ptr, hist_ptr, grid_ptr, T, S_MAX, N_CHUNKS,
+                       PROGRAMS, sl_b, sl_t, TOPK: tl.constexpr, CHUNK: tl.constexpr,
                        NUM_BINS: tl.constexpr, STATS_TILES: tl.constexpr, SPREAD: tl.constexpr):
     row = tl.program_id(0)
     n = _row_len(lens_ptr, row, T, S_MAX, sl_b, sl_t)
@@ -120,6 +120,9 @@ def _chunk_hist_kernel(ws_ptr, lens_ptr, stats_ptr, hist_ptr, T, S_MAX, N_CHUNKS
     if chunk < n_chunks:
         top, scale = _row_grid(stats_ptr, row, n, n_chunks, N_CHUNKS, CHUNK, STATS_TILES,
                                NUM_BINS, SPREAD)
+        if chunk == 0:  # the split kernel bins with these very values (its own reductions
+            tl.store(grid_ptr + row * 2, top)  # could round the last bit differently)
+            tl.store(grid_ptr + row * 2 + 1, scale)
         while chunk < n_chunks:
             offs = chunk * CHUNK + tl.arange(0, CHUNK)
             valid = offs < n
@@ -161,18 +164,17 @@ def _split_chunk(ws_ptr, hist_row, out_ptr, cand_ptr, cand_slot_ptr, row, chunk,
 
 
 @triton.jit
-def _chunk_split_kernel(ws_ptr, lens_ptr, stats_ptr, hist_ptr, out_ptr, cand_ptr, cand_slot_ptr,
+def _chunk_split_kernel(ws_ptr, lens_ptr, grid_ptr, hist_ptr, out_ptr, cand_ptr, cand_slot_ptr,
                         meta_ptr, T, S_MAX, N_CHUNKS, PROGRAMS, CAP, sl_b, sl_t,
                         TOPK: tl.constexpr, CHUNK: tl.constexpr, NUM_BINS: tl.constexpr,
-                        STATS_TILES: tl.constexpr, HIST_TILE: tl.constexpr,
-                        SPREAD: tl.constexpr):
+                        HIST_TILE: tl.constexpr):
     row = tl.program_id(0)
     n = _row_len(lens_ptr, row, T, S_MAX, sl_b, sl_t)
     n_chunks = tl.where(n > TOPK, (n + CHUNK - 1) // CHUNK, 0)
     chunk = tl.program_id(1)
     if chunk < n_chunks:
-        top, scale = _row_grid(stats_ptr, row, n, n_chunks, N_CHUNKS, CHUNK, STATS_TILES,
-                               NUM_BINS, SPREAD)
+        top = tl.load(grid_ptr + row * 2)
+        scale = tl.load(grid_ptr + row * 2 + 1)
         bins = tl.arange(0, NUM_BINS)
         hist_row = hist_ptr + row * N_CHUNKS * NUM_BINS
         total = tl.zeros((NUM_BINS,), tl.int32)
@@ -354,19 +356,19 @@ def select_topk_triton(scores: torch.Tensor, lens: torch.Tensor, topk: int, out:
     hist = torch.empty((rows, n_chunks, NUM_BINS), dtype=torch.int32, device=dev)
     cand = torch.empty((rows, cap), dtype=torch.float32, device=dev)
     cand_slot = torch.empty((rows, cap), dtype=torch.int32, device=dev)
+    bin_grid = torch.empty((rows, 2), dtype=torch.float32, device=dev)
     meta = torch.empty((rows, 2), dtype=torch.int32, device=dev)
     common = (tokens, slots, n_chunks, programs)
     grid = (rows, programs)
     kernels = [
         _chunk_stats_kernel[grid](scores, lens, stats, *common, *lens.stride(), TOPK=topk,
                                   CHUNK=chunk, num_warps=num_warps),
-        _chunk_hist_kernel[grid](scores, lens, stats, hist, *common, *lens.stride(), TOPK=topk,
-                                 CHUNK=chunk, NUM_BINS=NUM_BINS, STATS_TILES=stats_tiles,
-                                 SPREAD=SPREAD, num_warps=num_warps),
-        _chunk_split_kernel[grid](scores, lens, stats, hist, out, cand, cand_slot, meta, *common,
-                                  cap, *lens.stride(), TOPK=topk, CHUNK=chunk, NUM_BINS=NUM_BINS,
-                                  STATS_TILES=stats_tiles, HIST_TILE=_HIST_TILE, SPREAD=SPREAD,
-                                  num_warps=num_warps),
+        _chunk_hist_kernel[grid](scores, lens, stats, hist, bin_grid, *common, *lens.stride(),
+                                 TOPK=topk, CHUNK=chunk, NUM_BINS=NUM_BINS,
+                                 STATS_TILES=stats_tiles, SPREAD=SPREAD, num_warps=num_warps),
+        _chunk_split_kernel[grid](scores, lens, bin_grid, hist, out, cand, cand_slot, meta,
+                                  *common, cap, *lens.stride(), TOPK=topk, CHUNK=chunk,
+                                  NUM_BINS=NUM_BINS, HIST_TILE=_HIST_TILE, num_warps=num_warps),
         _finish_kernel[(rows,)](scores, lens, out, cand, cand_slot, meta, tokens, slots, cap,
                                 *lens.stride(), TOPK=topk, BLOCK=_FINISH_BLOCK, num_warps=8),
     ]
