@@ -2,6 +2,8 @@
 
 Run on the H200: `python bench/bench_indexer.py --out DIR` (about 2-3 minutes).
 Check the script on CPU: `TRITON_INTERPRET=1 python bench/bench_indexer.py --smoke --out DIR`.
+`--sweep` times the top-k selection's configs (chunk slots x warps) instead, at B=64, contexts
+512/8K/128K, T=1/4, fp8 (about 2 minutes); `--sweep-score` the scoring kernel's launch configs.
 
 For each batch B, real context (tokens) and query tokens T, at max context 1M (4097 pages of 64
 compressed slots), H=64 index heads, D=128, fp8 e4m3 keys with f32 scales:
@@ -68,13 +70,21 @@ def make_inputs(batch, context, tokens, heads, dim, max_pages, q_dtype, device, 
             lens.to(torch.int32).contiguous())
 
 
-def check_selection(idx, inputs, topk, ref_mod, q_dtype):
-    """Selected scores == the reference's top-k scores as sorted lists (within tolerance);
-    -1 exactly past min(len, topk); no slot >= len; no duplicates. Returns the max error."""
+def reference_scores(inputs, ref_mod):
+    """The torch reference's scores [B, T, S] over the valid pages (-inf past lens)."""
     q, weights, k_cache, k_scale, page_table, lens = inputs
     used = max(1, math.ceil(int(lens.max()) / PAGE))
-    scores = ref_mod.indexer_scores_reference(q, weights, k_cache, k_scale,
-                                              page_table[:, :used], lens)
+    return ref_mod.indexer_scores_reference(q, weights, k_cache, k_scale,
+                                            page_table[:, :used], lens)
+
+
+def check_selection(idx, inputs, topk, ref_mod, q_dtype, scores=None):
+    """Selected scores == the reference's top-k scores as sorted lists (within tolerance);
+    -1 exactly past min(len, topk); no slot >= len; no duplicates. Returns the max error.
+    `scores` may be the reference scores of these inputs, computed once for several checks."""
+    lens = inputs[5]
+    if scores is None:
+        scores = reference_scores(inputs, ref_mod)
     count = lens.long().clamp(max=topk)
     rank = torch.arange(topk, device=idx.device)
     expect_valid = rank < count[..., None]
@@ -97,16 +107,17 @@ def check_selection(idx, inputs, topk, ref_mod, q_dtype):
     return err
 
 
-def timer(device):
+def timer(device, graph_rep=50):
     """bench(fn, heavy=False, graph=False) -> median microseconds. On CUDA: do_bench (L2
     flushed before each run), or with graph=True the replay of a CUDA graph of fn (how a
-    serving step runs it; no per-launch Python cost, L2 not flushed)."""
+    serving step runs it; no per-launch Python cost, L2 not flushed) over about graph_rep ms."""
     if device.type == "cuda":
         import triton.testing
 
         def bench(fn, heavy=False, graph=False):
             if graph:
-                return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e3
+                return triton.testing.do_bench_cudagraph(fn, rep=graph_rep,
+                                                         return_mode="median") * 1e3
             warmup, rep = (5, 30) if heavy else (25, 100)
             return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median") * 1e3
         return bench
@@ -138,7 +149,10 @@ def main() -> int:
     parser.add_argument("--heads", type=int, default=64)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--sweep", action="store_true",
-                        help="only time launch-config variants of the two kernels at B=64, 128K")
+                        help="only time the top-k selection's configs (chunk, warps) at B=64, "
+                             "contexts 512/8K/128K, T=1/4 (about 2 minutes on the H200)")
+    parser.add_argument("--sweep-score", action="store_true",
+                        help="only time launch-config variants of the scoring kernel at B=64, 128K")
     args = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -154,11 +168,13 @@ def main() -> int:
         batches, contexts, token_counts = (1, 16, 64), (512, 8192, 131072), (1, 4)
         heads, dim, topk = args.heads, args.dim, args.topk
     q_dtypes = (torch.bfloat16, torch.float8_e4m3fn)
-    bench = timer(device)
-    if args.sweep:
-        table = sweep(mod, bench, device, heads, dim, max_pages, topk, args.smoke)
+    bench = timer(device, graph_rep=20 if args.sweep or args.sweep_score else 50)
+    if args.sweep or args.sweep_score:
+        run = sweep_select if args.sweep else sweep_score
+        table = run(mod, bench, device, heads, dim, max_pages, topk, args.smoke)
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "bench_indexer_sweep.md").write_text(table)
+        name = "bench_indexer_sweep.md" if args.sweep else "bench_indexer_sweep_score.md"
+        (args.out / name).write_text(table)
         print(table)
         return 0
     compiled = torch.compile(full_context_indexer, dynamic=True)
@@ -222,12 +238,64 @@ def main() -> int:
     return 0
 
 
-def sweep(mod, bench, device, heads, dim, max_pages, topk, smoke) -> str:
-    """Times of the scoring kernel (splits x warps x stages) and the selection kernel (block)
-    at the largest size, each variant checked against the default launch first."""
+# (chunk slots, num_warps) of the selection's chunk kernels; the first is the default.
+SELECT_CONFIGS = ((2048, 8), (2048, 4), (4096, 8), (1024, 4), (1024, 8))
+
+
+def sweep_select(mod, bench, device, heads, dim, max_pages, topk, smoke) -> str:
+    """At B=64, fp8 q and keys, contexts 512/8K/128K x T=1/4: for each selection config, the
+    whole op and the selection alone (on a fixed score workspace), as CUDA-graph replays, each
+    config's answer checked against the reference first; shared memory of every config."""
+    from dsv4_compile.kernels import topk_select
+
+    batch, contexts = (2, (128, 1000)) if smoke else (64, (512, 8192, 131072))
+    q_dtype = torch.float8_e4m3fn
+    gen = torch.Generator(device=device).manual_seed(1)
+    lines = ["| ctx | T | chunk | warps | op us | select us | op vs T=1 | byte floor us "
+             "| rel err |", "|---|---|---|---|---|---|---|---|---|"]
+    shared = {}
+    t1_times = {}
+    for context in contexts:
+        for tokens in (1, 4):
+            inputs = make_inputs(batch, context, tokens, heads, dim, max_pages, q_dtype, device,
+                                 gen)
+            scores = reference_scores(inputs, mod)
+            workspace, _ = mod.indexer_scores_triton(*inputs, topk)
+            lens = inputs[5]
+            byte_us, _ = floors(batch, tokens, heads, dim, lens, topk, inputs[0].element_size())
+            for chunk, warps in SELECT_CONFIGS:
+                kw = dict(chunk=chunk, select_warps=warps)
+                idx, kernels = mod.indexer_topk_triton(*inputs, topk, **kw)
+                err = check_selection(idx, inputs, topk, mod, q_dtype, scores=scores)
+                for kernel in kernels:
+                    if hasattr(kernel, "metadata"):
+                        used = kernel.metadata.shared
+                        shared[(kernel.name, chunk, kernel.metadata.num_warps)] = used
+                        assert used <= SMEM_LIMIT, (kernel.name, chunk, warps, used)
+                out = torch.empty_like(idx)
+                op_us = bench(lambda: mod.indexer_topk_triton(*inputs, topk, **kw), graph=True)
+                select_us = bench(lambda: topk_select.select_topk_triton(
+                    workspace, lens, topk, out, chunk=chunk, num_warps=warps), graph=True)
+                if tokens == 1:
+                    t1_times[(context, chunk, warps)] = op_us
+                vs_t1 = op_us / t1_times[(context, chunk, warps)]
+                lines.append(f"| {context} | {tokens} | {chunk} | {warps} | {op_us:.1f} | "
+                             f"{select_us:.1f} | {vs_t1:.2f} | {byte_us:.1f} | {err:.1e} |")
+            del inputs, scores, workspace
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    smem = ["", "| kernel | chunk | num_warps | shared B (limit 101376) |", "|---|---|---|---|"]
+    smem += [f"| {name} | {chunk} | {warps} | {b} |" for (name, chunk, warps), b in shared.items()]
+    smem = smem if shared else smem + ["| (interpreter: nothing compiled) | | | |"]
+    return "\n".join(lines + smem) + "\n"
+
+
+def sweep_score(mod, bench, device, heads, dim, max_pages, topk, smoke) -> str:
+    """Times of the scoring kernel (splits x warps x stages) at the largest size, each variant
+    checked against the default launch first."""
     batch, context = (2, 1000) if smoke else (64, 131072)
     gen = torch.Generator(device=device).manual_seed(1)
-    lines = ["| T | q | kernel | variant | us |", "|---|---|---|---|---|"]
+    lines = ["| T | q | variant | us |", "|---|---|---|---|"]
     for tokens in (1, 4):
         for q_dtype in (torch.bfloat16, torch.float8_e4m3fn):
             inputs = make_inputs(batch, context, tokens, heads, dim, max_pages, q_dtype, device, gen)
@@ -243,21 +311,12 @@ def sweep(mod, bench, device, heads, dim, max_pages, topk, smoke) -> str:
                         try:
                             ws, _ = mod.indexer_scores_triton(*inputs, topk, **kw)
                         except Exception as exc:  # a config that does not compile
-                            lines.append(f"| {tokens} | {name} | score | {kw} | {type(exc).__name__} |")
+                            lines.append(f"| {tokens} | {name} | {kw} | {type(exc).__name__} |")
                             continue
                         assert torch.equal(ws[valid], ref_ws[valid]) or q_dtype != torch.bfloat16 \
                             or torch.allclose(ws[valid], ref_ws[valid], rtol=1e-5, atol=1e-3)
                         us = bench(lambda: mod.indexer_scores_triton(*inputs, topk, **kw), graph=True)
-                        lines.append(f"| {tokens} | {name} | score | {kw} | {us:.1f} |")
-            ref_out = torch.empty(lens.shape + (topk,), dtype=torch.int32, device=device)
-            mod.indexer_select_triton(ref_ws, lens, topk, ref_out)
-            for block in (1024, 2048, 4096):
-                out = torch.full_like(ref_out, -7)
-                mod.indexer_select_triton(ref_ws, lens, topk, out, block=block)
-                assert torch.equal(out.sort(-1).values, ref_out.sort(-1).values), block
-                us = bench(lambda: mod.indexer_select_triton(ref_ws, lens, topk, out, block=block),
-                           graph=True)
-                lines.append(f"| {tokens} | {name} | select | block={block} | {us:.1f} |")
+                        lines.append(f"| {tokens} | {name} | {kw} | {us:.1f} |")
             del inputs, ref_ws
     return "\n".join(lines) + "\n"
 

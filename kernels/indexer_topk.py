@@ -4,15 +4,15 @@ score[s] = k_scale[s] * sum_h weights[h] * relu(q[h] . k[s]) over the logical sl
 of a paged key cache (pages of 64 slots); the op returns the logical slot numbers of a top-`topk`
 set, -1 past min(lens[b, t], topk), in no particular order.
 
-Two kernels, both on a static grid (capture-safe):
+Kernels, all on static grids (capture-safe):
   1. `_score_pages_kernel`, grid (B, splits): program (b, split) walks the logical pages
      split, split + splits, ... below the request's last NEEDED page, reads each key page once
      and scores it for all T query tokens of the request, writing f32 scores into a workspace
      [B, T, max_pages * 64] only for s < lens[b, t]. A token with lens <= topk needs no score
      (its answer is every visible slot), so it does not extend the pages read.
-  2. `_select_topk_kernel`, grid (B * T,): per row, a radix select over the order-preserving
-     integer image of the f32 scores of the valid prefix (4 passes of 8 bits) finds the
-     topk-th largest key; a compaction pass then writes every slot above it plus enough ties.
+  2. the row top-k of kernels/topk_select.py: each row is split into chunks handled by separate
+     programs (bin histograms, then a compaction of the sure picks and of the threshold bin's
+     candidates), and one program per row finishes the selection among the few candidates.
 Nothing past a request's valid pages is read; the workspace is never cleared.
 """
 from __future__ import annotations
@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from dsv4_compile.kernels._runtime import triton_runs_on
+from dsv4_compile.kernels.topk_select import DEFAULT_CHUNK, select_topk_triton
 
 PAGE_SIZE = 64
 MAX_TOPK = 2048
@@ -31,7 +32,6 @@ _Q_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.float32)
 _K_DTYPES = (torch.float8_e4m3fn, torch.bfloat16, torch.float32)
 # Query columns (tokens x heads) scored by one tl.dot; bounds registers and shared memory.
 _MAX_DOT_ROWS = 256
-_SELECT_BLOCK = 4096
 
 
 # --------------------------------------------------------------------------------------------
@@ -213,92 +213,6 @@ def _score_pages_kernel(
                 page += SPLITS
 
 
-@triton.jit
-def _order_key(scores):
-    """int32 keys whose signed order is the float order of `scores` (f32)."""
-    bits = scores.to(tl.int32, bitcast=True)
-    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-
-
-@triton.jit
-def _digit_histogram(scores_row, start, n, prefix, PASS: tl.constexpr, BLOCK: tl.constexpr):
-    """Histogram [256] of digit PASS (8 bits, high first) of the unsigned keys in
-    [start, start + BLOCK) that agree with `prefix` on the higher digits."""
-    shift: tl.constexpr = 24 - 8 * PASS
-    offs = start + tl.arange(0, BLOCK)
-    valid = offs < n
-    u = _order_key(tl.load(scores_row + offs, mask=valid, other=0.0)) ^ -2147483648
-    if PASS > 0:
-        valid = valid & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
-    return tl.histogram((u >> shift) & 255, 256, mask=valid)
-
-
-@triton.jit
-def _compact_block(scores_row, out_row, start, n, threshold, remaining, taken, ties_seen,
-                   BLOCK: tl.constexpr):
-    """Write the slots in [start, start + BLOCK) above `threshold`, and ties while fewer than
-    `remaining` ties were taken; returns the updated (taken, ties_seen) counts."""
-    offs = start + tl.arange(0, BLOCK)
-    valid = offs < n
-    key = _order_key(tl.load(scores_row + offs, mask=valid, other=0.0))
-    above = (valid & (key > threshold)).to(tl.int32)
-    tie = (valid & (key == threshold)).to(tl.int32)
-    tie_rank = ties_seen + tl.cumsum(tie, axis=0) - tie
-    take = above | (tie & (tie_rank < remaining).to(tl.int32))
-    pos = taken + tl.cumsum(take, axis=0) - take
-    tl.store(out_row + pos, offs, mask=take != 0)
-    return taken + tl.sum(take, axis=0), ties_seen + tl.sum(tie, axis=0)
-
-
-@triton.jit
-def _select_topk_kernel(ws_ptr, out_ptr, lens_ptr, T, S_MAX, sl_b, sl_t,
-                        TOPK: tl.constexpr, BLOCK: tl.constexpr, FOR_LOOPS: tl.constexpr):
-    row = tl.program_id(0)  # b * T + t
-    b = row // T
-    t = row % T
-    n = tl.load(lens_ptr + b * sl_b + t * sl_t)
-    n = tl.minimum(tl.maximum(n, 0), S_MAX)
-    out_row = out_ptr + row.to(tl.int64) * TOPK
-    if n <= TOPK:  # every visible slot is selected
-        for start in range(0, TOPK, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            tl.store(out_row + offs, tl.where(offs < n, offs, -1), mask=offs < TOPK)
-    else:
-        scores_row = ws_ptr + row.to(tl.int64) * S_MAX
-        # Radix select on the unsigned image u = key ^ 0x80000000, 8 bits per pass, high first:
-        # `prefix` holds the digits fixed so far, `remaining` how many to take at or below it.
-        prefix = 0
-        remaining = TOPK
-        bins = tl.arange(0, 256)
-        for p in tl.static_range(4):
-            hist = tl.zeros((256,), tl.int32)
-            if FOR_LOOPS:
-                for start in range(0, n, BLOCK):
-                    hist += _digit_histogram(scores_row, start, n, prefix, p, BLOCK)
-            else:  # see _score_pages_kernel
-                start = 0
-                while start < n:
-                    hist += _digit_histogram(scores_row, start, n, prefix, p, BLOCK)
-                    start += BLOCK
-            at_or_above = tl.cumsum(hist, axis=0, reverse=True)
-            digit = tl.max(tl.where(at_or_above >= remaining, bins, 0), axis=0)
-            remaining -= tl.sum(tl.where(bins > digit, hist, 0), axis=0)
-            prefix = prefix | (digit << (24 - 8 * p))
-        threshold = prefix ^ -2147483648  # back to the signed key
-        taken = 0
-        ties_seen = 0
-        if FOR_LOOPS:
-            for start in range(0, n, BLOCK):
-                taken, ties_seen = _compact_block(scores_row, out_row, start, n, threshold,
-                                                  remaining, taken, ties_seen, BLOCK)
-        else:
-            start = 0
-            while start < n:
-                taken, ties_seen = _compact_block(scores_row, out_row, start, n, threshold,
-                                                  remaining, taken, ties_seen, BLOCK)
-                start += BLOCK
-
-
 # --------------------------------------------------------------------------------------------
 # Launch
 # --------------------------------------------------------------------------------------------
@@ -390,14 +304,17 @@ def indexer_topk_triton(
     out: torch.Tensor | None = None,
     splits: int | None = None,
     workspace: torch.Tensor | None = None,
+    chunk: int = DEFAULT_CHUNK,
+    select_warps: int = 8,
 ) -> tuple[torch.Tensor, list]:
-    """Launch both kernels; returns (idx [B, T, topk] int32, the compiled kernels).
+    """Launch the scoring and selection kernels; returns (idx [B, T, topk] int32, the kernels).
 
     Arguments as `indexer_topk`, already validated (shapes and dtypes; lens and page ids are
     clamped in the kernels, so no value can cause an out-of-bounds read). `out` may be a
     pre-poisoned [B, T, topk] int32 contiguous tensor to write into, `workspace` a
     (pre-poisoned) contiguous [B, T, max_pages * 64] f32 score buffer; `splits` overrides the
-    number of scoring programs per request.
+    number of scoring programs per request, `chunk` and `select_warps` the selection's slots
+    and warps per program.
     """
     batch, tokens = q.shape[:2]
     if out is None:
@@ -406,18 +323,8 @@ def indexer_topk_triton(
         return out, []
     workspace, score = indexer_scores_triton(q, weights, k_cache, k_scale, page_table, lens,
                                              topk, splits=splits, workspace=workspace)
-    return out, [score, indexer_select_triton(workspace, lens, topk, out)]
-
-
-def indexer_select_triton(workspace: torch.Tensor, lens: torch.Tensor, topk: int,
-                          out: torch.Tensor, *, block: int = _SELECT_BLOCK):
-    """Launch the selection kernel over workspace [B, T, S] f32 (valid where s < lens[b, t]
-    and lens[b, t] > topk) into out [B, T, topk] int32 (contiguous); returns the kernel."""
-    batch, tokens, slots = workspace.shape
-    return _select_topk_kernel[(batch * tokens,)](
-        workspace, out, lens, tokens, slots, *lens.stride(),
-        TOPK=topk, BLOCK=block, FOR_LOOPS=workspace.is_cuda, num_warps=8,
-    )
+    select = select_topk_triton(workspace, lens, topk, out, chunk=chunk, num_warps=select_warps)
+    return out, [score, *select]
 
 
 # --------------------------------------------------------------------------------------------

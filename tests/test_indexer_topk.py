@@ -71,10 +71,11 @@ def indexer_cases(draw):
     q_dtype = draw(st.sampled_from([torch.bfloat16, FP8, torch.float32]))
     k_dtype = draw(st.sampled_from([FP8, torch.bfloat16, torch.float32]))
     strided_q = draw(st.booleans())
+    chunk = draw(st.sampled_from([32, mod.DEFAULT_CHUNK]))  # 32: rows span several chunks
     seed = draw(st.integers(0, 2**31 - 1))
     return dict(batch=batch, tokens=tokens, heads=heads, dim=dim, max_pages=max_pages,
                 pages=pages, topk=topk, lens=lens, q_dtype=q_dtype, k_dtype=k_dtype,
-                strided_q=strided_q, seed=seed)
+                strided_q=strided_q, chunk=chunk, seed=seed)
 
 
 def build(case):
@@ -103,7 +104,8 @@ def test_kernel_matches_reference(case):
     slots = case["max_pages"] * PAGE
     out = torch.full((b, t, topk), -7, dtype=torch.int32)  # poison: every element is written
     workspace = torch.full((b, t, slots), float("nan"))  # unwritten scores must not be read
-    idx, _ = mod.indexer_topk_triton(*args, topk, out=out, workspace=workspace)
+    idx, _ = mod.indexer_topk_triton(*args, topk, out=out, workspace=workspace,
+                                     chunk=case["chunk"])
     assert idx.data_ptr() == out.data_ptr()
     scores = mod.indexer_scores_reference(*args)
     assert_topk_valid(idx, scores, args[5], topk)
@@ -140,10 +142,12 @@ def test_many_tokens_share_each_page():
     assert_topk_valid(idx, mod.indexer_scores_reference(*args), args[5], 20)
 
 
+@pytest.mark.parametrize("chunk", [mod.DEFAULT_CHUNK, 16])
 @pytest.mark.parametrize("k_dtype", [FP8, torch.bfloat16])
-def test_pages_past_the_length_are_never_read(k_dtype):
+def test_pages_past_the_length_are_never_read(k_dtype, chunk):
     """NaN in every physical page no valid logical page references, in the slots of the last
-    valid page past the length, and out-of-range ids past the valid pages: same answer."""
+    valid page past the length, and out-of-range ids past the valid pages: same answer (with
+    16-slot chunks, the rows span up to 10 chunk programs)."""
     gen = torch.Generator().manual_seed(7)
     batch, tokens, heads, dim, max_pages, topk = 2, 2, 8, 32, 5, 24
     pages = batch * max_pages + 3
@@ -153,7 +157,8 @@ def test_pages_past_the_length_are_never_read(k_dtype):
     lens = torch.tensor([[150, 100], [64, 30]], dtype=torch.int32)  # 3 and 1 valid pages
     page_table = torch.randperm(pages, generator=gen)[: batch * max_pages]
     page_table = page_table.view(batch, max_pages).to(torch.int32)
-    clean = mod.indexer_topk_triton(q, weights, k_cache, k_scale, page_table, lens, topk)[0]
+    clean = mod.indexer_topk_triton(q, weights, k_cache, k_scale, page_table, lens, topk,
+                                    chunk=chunk)[0]
     assert_topk_valid(clean, mod.indexer_scores_reference(
         q, weights, k_cache, k_scale, page_table, lens), lens, topk)
 
@@ -168,20 +173,23 @@ def test_pages_past_the_length_are_never_read(k_dtype):
         k_scale[~referenced] = float("nan")
     page_table[0, 3:] = pages + 1000
     page_table[1, 1:] = -5
-    poisoned = mod.indexer_topk_triton(q, weights, k_cache, k_scale, page_table, lens, topk)[0]
+    poisoned = mod.indexer_topk_triton(q, weights, k_cache, k_scale, page_table, lens, topk,
+                                       chunk=chunk)[0]
     assert torch.equal(poisoned, clean)
     assert torch.equal(torch.ops.dsv4.indexer_topk(q, weights, k_cache, k_scale, page_table,
                                                    lens, topk), clean)
 
 
-def test_all_ties_take_exactly_topk():
+@pytest.mark.parametrize("chunk", [mod.DEFAULT_CHUNK, 16])
+def test_all_ties_take_exactly_topk(chunk):
     """Identical keys give identical scores: exactly topk distinct slots, none past len."""
     q = torch.randn(1, 1, 4, 16)
     weights = torch.rand(1, 1, 4)
     k_cache = torch.randn(1, PAGE, 16)[:, :1].expand(1, PAGE, 16).contiguous()
     page_table = torch.zeros(1, 3, dtype=torch.int32)
     lens = torch.tensor([[150]], dtype=torch.int32)
-    idx, _ = mod.indexer_topk_triton(q, weights, k_cache, None, page_table, lens, 40)
+    idx, _ = mod.indexer_topk_triton(q, weights, k_cache, None, page_table, lens, 40,
+                                     chunk=chunk)
     assert_topk_valid(idx, mod.indexer_scores_reference(q, weights, k_cache, None, page_table,
                                                         lens), lens, 40)
 

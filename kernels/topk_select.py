@@ -1,0 +1,375 @@
+"""Length-bounded row top-k over a score workspace, spread over chunks of each row.
+
+Input: scores [R, S] f32 (row r = b * T + t of the indexer), valid where s < lens[b, t]; the
+rest is never read. Output: out [R, topk] int32, the slots of a top-`topk` set of the valid
+prefix (order unspecified), -1 past min(len, topk).
+
+Rows with len <= topk take every valid slot (no score is read). Longer rows go through four
+kernels on static grids (capture-safe). The three chunk kernels run `programs` programs per
+row, program p taking chunks p, p + programs, ... of CHUNK slots; chunks at or past the row's
+length are skipped, so the work follows the real length, not the workspace's width.
+  1. `_chunk_stats_kernel`: max, min, mean and squared deviation of each chunk.
+  2. `_chunk_hist_kernel`: histogram of each chunk over NUM_BINS equal bins of the row's
+     [min, max] cut to mean -/+ SPREAD standard deviations (bin 0 holds the largest scores;
+     scores beyond the cut land in the end bins).
+  3. `_chunk_split_kernel`: every program sums the row's chunk histograms and finds the
+     threshold bin, the one where the count from the top reaches topk. Scores above it are
+     written straight to `out` (at the count of such scores in earlier chunks plus their rank
+     within the chunk); scores in it are copied, with their slots, into a candidate list of
+     at most `cap` per row.
+  4. `_finish_kernel`, one program per row: a radix select (8 bits a pass, `tl.histogram`) of
+     the missing ones among the candidates. When the threshold bin holds more than `cap`
+     scores (many ties, or most scores packed in a sliver of the binned range), it runs over
+     the whole row instead and writes all of `out` itself: slower, never wrong.
+Only the bin of a score decides where it goes, and kernel 3 bins with the row's (top, scale)
+that kernel 2 stored and the same elementwise code, so their counts agree exactly.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+NUM_BINS = 64
+DEFAULT_CHUNK = 2048  # with 8 warps: 8 scores a thread, about 100 registers in the split kernel
+SPREAD = 8.0  # the bins stop this many standard deviations from the row's mean
+_STATS_TILE = tl.constexpr(64)  # chunks whose statistics one load of `_row_grid` reads
+_HIST_TILE = 16  # chunk histograms per [chunks, NUM_BINS] load when a kernel sums them
+_FINISH_BLOCK = 1024
+
+
+@triton.jit
+def _row_len(lens_ptr, row, T, S_MAX, sl_b, sl_t):
+    b = row // T
+    t = row % T
+    n = tl.load(lens_ptr + b * sl_b + t * sl_t)
+    return tl.minimum(tl.maximum(n, 0), S_MAX)
+
+
+@triton.jit
+def _row_grid(stats_ptr, row, n, n_chunks, N_CHUNKS, CHUNK: tl.constexpr,
+              STATS_TILES: tl.constexpr, NUM_BINS: tl.constexpr, SPREAD: tl.constexpr):
+    """(top, scale) of the row's bins, bin(x) = (top - x) * scale, from the chunk statistics.
+
+    The bins span [min, max] of the row, cut to mean -/+ SPREAD standard deviations, so that a
+    few outliers (an attention sink) do not stretch them; scores beyond land in the end bins.
+    """
+    top = -float("inf")
+    bottom = float("inf")
+    total = 0.0
+    for tile in tl.static_range(STATS_TILES):  # STATS_TILES * _STATS_TILE >= N_CHUNKS
+        ch = tile * _STATS_TILE + tl.arange(0, _STATS_TILE)
+        ok = ch < n_chunks
+        base = stats_ptr + (row * N_CHUNKS + ch) * 4
+        count = tl.where(ok, tl.minimum(n - ch * CHUNK, CHUNK), 0).to(tl.float32)
+        top = tl.maximum(top, tl.max(tl.load(base, mask=ok, other=-float("inf")), axis=0))
+        bottom = tl.minimum(bottom, tl.min(tl.load(base + 1, mask=ok, other=float("inf")), axis=0))
+        total += tl.sum(count * tl.load(base + 2, mask=ok, other=0.0), axis=0)
+    mean = total / n.to(tl.float32)
+    m2 = 0.0  # Chan et al.'s pairwise combination of the chunks' squared deviations
+    for tile in tl.static_range(STATS_TILES):
+        ch = tile * _STATS_TILE + tl.arange(0, _STATS_TILE)
+        ok = ch < n_chunks
+        base = stats_ptr + (row * N_CHUNKS + ch) * 4
+        count = tl.where(ok, tl.minimum(n - ch * CHUNK, CHUNK), 0).to(tl.float32)
+        dev = tl.load(base + 2, mask=ok, other=0.0) - mean
+        m2 += tl.sum(tl.load(base + 3, mask=ok, other=0.0) + count * dev * dev, axis=0)
+    spread = SPREAD * tl.sqrt(m2 / n.to(tl.float32))
+    top = tl.minimum(top, mean + spread)
+    width = top - tl.maximum(bottom, mean - spread)
+    scale = tl.where(width > 0, NUM_BINS / tl.where(width > 0, width, 1.0), 0.0)
+    return top, scale
+
+
+@triton.jit
+def _score_bin(x, top, scale, NUM_BINS: tl.constexpr):
+    """Bin of each score: 0 for the largest, NUM_BINS - 1 for the smallest (monotone)."""
+    f = tl.minimum(tl.maximum((top - x) * scale, 0.0), NUM_BINS - 1.0)
+    return tl.minimum(tl.maximum(f.to(tl.int32), 0), NUM_BINS - 1)
+
+
+@triton.jit
+def _chunk_stats_kernel(ws_ptr, lens_ptr, stats_ptr, T, S_MAX, N_CHUNKS, PROGRAMS, sl_b, sl_t,
+                        TOPK: tl.constexpr, CHUNK: tl.constexpr):
+    row = tl.program_id(0)
+    n = _row_len(lens_ptr, row, T, S_MAX, sl_b, sl_t)
+    n_chunks = tl.where(n > TOPK, (n + CHUNK - 1) // CHUNK, 0)
+    chunk = tl.program_id(1)
+    while chunk < n_chunks:  # a while loop: the interpreter cannot range() over its tensors
+        offs = chunk * CHUNK + tl.arange(0, CHUNK)
+        valid = offs < n
+        x = tl.load(ws_ptr + row.to(tl.int64) * S_MAX + offs, mask=valid, other=0.0)
+        mean = tl.sum(x, axis=0) / tl.minimum(n - chunk * CHUNK, CHUNK).to(tl.float32)
+        dev = tl.where(valid, x - mean, 0.0)
+        out = stats_ptr + (row * N_CHUNKS + chunk) * 4
+        tl.store(out, tl.max(tl.where(valid, x, -float("inf")), axis=0))
+        tl.store(out + 1, tl.min(tl.where(valid, x, float("inf")), axis=0))
+        tl.store(out + 2, mean)
+        tl.store(out + 3, tl.sum(dev * dev, axis=0))
+        chunk += PROGRAMS
+
+
+@triton.jit
+def _chunk_hist_kernel(ws_ptr, lens_ptr, stats_ptr, hist_ptr, grid_ptr, T, S_MAX, N_CHUNKS,
+                       PROGRAMS, sl_b, sl_t, TOPK: tl.constexpr, CHUNK: tl.constexpr,
+                       NUM_BINS: tl.constexpr, STATS_TILES: tl.constexpr, SPREAD: tl.constexpr):
+    row = tl.program_id(0)
+    n = _row_len(lens_ptr, row, T, S_MAX, sl_b, sl_t)
+    n_chunks = tl.where(n > TOPK, (n + CHUNK - 1) // CHUNK, 0)
+    chunk = tl.program_id(1)
+    if chunk < n_chunks:
+        top, scale = _row_grid(stats_ptr, row, n, n_chunks, N_CHUNKS, CHUNK, STATS_TILES,
+                               NUM_BINS, SPREAD)
+        if chunk == 0:  # the split kernel bins with these very values (its own reductions
+            tl.store(grid_ptr + row * 2, top)  # could round the last bit differently)
+            tl.store(grid_ptr + row * 2 + 1, scale)
+        while chunk < n_chunks:
+            offs = chunk * CHUNK + tl.arange(0, CHUNK)
+            valid = offs < n
+            x = tl.load(ws_ptr + row.to(tl.int64) * S_MAX + offs, mask=valid, other=0.0)
+            hist = tl.histogram(_score_bin(x, top, scale, NUM_BINS), NUM_BINS, mask=valid)
+            tl.store(hist_ptr + (row * N_CHUNKS + chunk) * NUM_BINS + tl.arange(0, NUM_BINS),
+                     hist)
+            chunk += PROGRAMS
+
+
+@triton.jit
+def _split_chunk(ws_ptr, hist_row, out_ptr, cand_ptr, cand_slot_ptr, row, chunk, n, d, top,
+                 scale, S_MAX, CAP, TOPK: tl.constexpr, CHUNK: tl.constexpr,
+                 NUM_BINS: tl.constexpr, HIST_TILE: tl.constexpr):
+    """Write one chunk's scores above bin d to the row's output and those in it to the
+    candidate list, after what earlier chunks wrote (counted from their histograms)."""
+    bins = tl.arange(0, NUM_BINS)
+    above_before = 0
+    ties_before = 0
+    first = 0
+    while first < chunk:
+        ch = first + tl.arange(0, HIST_TILE)
+        h = tl.load(hist_row + ch[:, None] * NUM_BINS + bins[None, :],
+                    mask=(ch < chunk)[:, None], other=0)
+        above_before += tl.sum(tl.sum(tl.where(bins[None, :] < d, h, 0), axis=1), axis=0)
+        ties_before += tl.sum(tl.sum(tl.where(bins[None, :] == d, h, 0), axis=1), axis=0)
+        first += HIST_TILE
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    valid = offs < n
+    x = tl.load(ws_ptr + row.to(tl.int64) * S_MAX + offs, mask=valid, other=0.0)
+    b = _score_bin(x, top, scale, NUM_BINS)
+    take = (valid & (b < d)).to(tl.int32)
+    pos = above_before + tl.cumsum(take, axis=0) - take
+    tl.store(out_ptr + row.to(tl.int64) * TOPK + pos, offs, mask=take != 0)
+    cand = (valid & (b == d)).to(tl.int32)
+    cpos = ties_before + tl.cumsum(cand, axis=0) - cand
+    tl.store(cand_ptr + row.to(tl.int64) * CAP + cpos, x, mask=cand != 0)
+    tl.store(cand_slot_ptr + row.to(tl.int64) * CAP + cpos, offs, mask=cand != 0)
+
+
+@triton.jit
+def _chunk_split_kernel(ws_ptr, lens_ptr, grid_ptr, hist_ptr, out_ptr, cand_ptr, cand_slot_ptr,
+                        meta_ptr, T, S_MAX, N_CHUNKS, PROGRAMS, CAP, sl_b, sl_t,
+                        TOPK: tl.constexpr, CHUNK: tl.constexpr, NUM_BINS: tl.constexpr,
+                        HIST_TILE: tl.constexpr):
+    row = tl.program_id(0)
+    n = _row_len(lens_ptr, row, T, S_MAX, sl_b, sl_t)
+    n_chunks = tl.where(n > TOPK, (n + CHUNK - 1) // CHUNK, 0)
+    chunk = tl.program_id(1)
+    if chunk < n_chunks:
+        top = tl.load(grid_ptr + row * 2)
+        scale = tl.load(grid_ptr + row * 2 + 1)
+        bins = tl.arange(0, NUM_BINS)
+        hist_row = hist_ptr + row * N_CHUNKS * NUM_BINS
+        total = tl.zeros((NUM_BINS,), tl.int32)
+        first = 0
+        while first < n_chunks:  # one small tile of chunk histograms live at a time
+            ch = first + tl.arange(0, HIST_TILE)
+            h = tl.load(hist_row + ch[:, None] * NUM_BINS + bins[None, :],
+                        mask=(ch < n_chunks)[:, None], other=0)
+            total += tl.sum(h, axis=0)
+            first += HIST_TILE
+        # Threshold bin d: the first (from the top) where the running count reaches TOPK.
+        d = tl.sum((tl.cumsum(total, axis=0) < TOPK).to(tl.int32), axis=0)
+        above = tl.sum(tl.where(bins < d, total, 0), axis=0)
+        ties = tl.sum(tl.where(bins == d, total, 0), axis=0)
+        fits = ties <= CAP
+        if chunk == 0:
+            tl.store(meta_ptr + row * 2, tl.where(fits, ties, -1))
+            tl.store(meta_ptr + row * 2 + 1, above)
+        if fits:
+            while chunk < n_chunks:
+                _split_chunk(ws_ptr, hist_row, out_ptr, cand_ptr, cand_slot_ptr, row, chunk, n,
+                             d, top, scale, S_MAX, CAP, TOPK, CHUNK, NUM_BINS, HIST_TILE)
+                chunk += PROGRAMS
+
+
+@triton.jit
+def _order_key(scores):
+    """int32 keys whose signed order is the float order of `scores` (f32)."""
+    bits = scores.to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton.jit
+def _load_keys(src, start, count, BLOCK: tl.constexpr):
+    """(order keys [BLOCK], valid mask) of the scores src[start : start + BLOCK] below count."""
+    offs = start + tl.arange(0, BLOCK)
+    valid = offs < count
+    return _order_key(tl.load(src + offs, mask=valid, other=0.0)), valid
+
+
+@triton.jit
+def _digit_histogram(key, valid, prefix, PASS: tl.constexpr):
+    """Histogram [256] of digit PASS (8 bits, high first) of the unsigned images
+    u = key ^ 0x80000000 that agree with `prefix` on the higher digits."""
+    shift: tl.constexpr = 24 - 8 * PASS
+    u = key ^ -2147483648
+    if PASS > 0:
+        valid = valid & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
+    return tl.histogram((u >> shift) & 255, 256, mask=valid)
+
+
+@triton.jit
+def _next_digit(hist, prefix, remaining, PASS: tl.constexpr):
+    """Fix digit PASS: the largest whose count at or above it reaches `remaining`; returns the
+    extended prefix and how many are still to take at or below it."""
+    digits = tl.arange(0, 256)
+    at_or_above = tl.cumsum(hist, axis=0, reverse=True)
+    digit = tl.max(tl.where(at_or_above >= remaining, digits, 0), axis=0)
+    remaining -= tl.sum(tl.where(digits > digit, hist, 0), axis=0)
+    return prefix | (digit << (24 - 8 * PASS)), remaining
+
+
+@triton.jit
+def _compact(key, valid, slots, out_row, threshold, remaining, taken, ties_seen):
+    """Write the slots whose key is above `threshold`, and ties while fewer than `remaining`
+    ties were taken, after `taken` earlier ones; returns the updated (taken, ties_seen)."""
+    above = (valid & (key > threshold)).to(tl.int32)
+    tie = (valid & (key == threshold)).to(tl.int32)
+    tie_rank = ties_seen + tl.cumsum(tie, axis=0) - tie
+    take = above | (tie & (tie_rank < remaining).to(tl.int32))
+    pos = taken + tl.cumsum(take, axis=0) - take
+    tl.store(out_row + pos, slots, mask=take != 0)
+    return taken + tl.sum(take, axis=0), ties_seen + tl.sum(tie, axis=0)
+
+
+@triton.jit
+def _slots(slot_src, from_list, start, valid, BLOCK: tl.constexpr):
+    """Slots of entries [start, start + BLOCK): the position, or read from the list."""
+    slots = start + tl.arange(0, BLOCK)
+    if from_list:
+        slots = tl.load(slot_src + slots, mask=valid, other=-1)
+    return slots
+
+
+@triton.jit
+def _finish_kernel(ws_ptr, lens_ptr, out_ptr, cand_ptr, cand_slot_ptr, meta_ptr, T, S_MAX, CAP,
+                   sl_b, sl_t, TOPK: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    n = _row_len(lens_ptr, row, T, S_MAX, sl_b, sl_t)
+    out_row = out_ptr + row.to(tl.int64) * TOPK
+    if n <= TOPK:  # every visible slot is selected
+        for start in tl.static_range(0, TOPK, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            tl.store(out_row + offs, tl.where(offs < n, offs, -1), mask=offs < TOPK)
+    else:
+        listed = tl.load(meta_ptr + row * 2)
+        from_list = listed >= 0
+        if from_list:  # pick the rest among the threshold bin's candidates
+            src = cand_ptr + row.to(tl.int64) * CAP
+            slot_src = cand_slot_ptr + row.to(tl.int64) * CAP
+            count = listed
+            base = tl.load(meta_ptr + row * 2 + 1)
+        else:  # the bin overflowed the list: select over the whole row
+            src = ws_ptr + row.to(tl.int64) * S_MAX
+            slot_src = cand_slot_ptr  # unused
+            count = n
+            base = n * 0
+        # Radix select on the unsigned image u = key ^ 0x80000000, 8 bits per pass, high first:
+        # `prefix` holds the digits fixed so far, `remaining` how many to take at or below it.
+        prefix = 0
+        remaining = TOPK - base
+        out_rest = out_row + base
+        if count <= BLOCK:  # the usual case: the candidates stay in registers
+            key, valid = _load_keys(src, 0, count, BLOCK)
+            lo = tl.min(tl.where(valid, key, 2147483647), axis=0) ^ -2147483648
+            hi = tl.max(tl.where(valid, key, -2147483648), axis=0) ^ -2147483648
+            for p in tl.static_range(4):
+                shift = 24 - 8 * p
+                if (lo >> shift) == (hi >> shift):  # one bin's candidates share the high digits
+                    prefix = prefix | (((hi >> shift) & 255) << shift)
+                else:
+                    prefix, remaining = _next_digit(_digit_histogram(key, valid, prefix, p),
+                                                    prefix, remaining, p)
+            _compact(key, valid, _slots(slot_src, from_list, 0, valid, BLOCK), out_rest,
+                     prefix ^ -2147483648, remaining, 0, 0)
+        else:  # while loops: the interpreter cannot range() over its 1-element tensors
+            for p in tl.static_range(4):
+                hist = tl.zeros((256,), tl.int32)
+                start = 0
+                while start < count:
+                    key, valid = _load_keys(src, start, count, BLOCK)
+                    hist += _digit_histogram(key, valid, prefix, p)
+                    start += BLOCK
+                prefix, remaining = _next_digit(hist, prefix, remaining, p)
+            taken = 0
+            ties_seen = 0
+            start = 0
+            while start < count:
+                key, valid = _load_keys(src, start, count, BLOCK)
+                taken, ties_seen = _compact(key, valid, _slots(slot_src, from_list, start, valid,
+                                                               BLOCK),
+                                            out_rest, prefix ^ -2147483648, remaining, taken,
+                                            ties_seen)
+                start += BLOCK
+
+
+def candidate_cap(topk: int) -> int:
+    """Candidates kept per row: the threshold bin usually holds a few hundred scores."""
+    return max(2048, 2 * topk)
+
+
+def programs_per_row(rows: int, n_chunks: int, device: torch.device) -> int:
+    """Chunk programs per row: about 8 per SM over all rows, at most one per chunk. Each walks
+    chunks p, p + programs, ... so a short row in a long workspace costs few empty programs."""
+    if device.type != "cuda":
+        return min(n_chunks, 4)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(n_chunks, triton.cdiv(8 * sms, rows)))
+
+
+def select_topk_triton(scores: torch.Tensor, lens: torch.Tensor, topk: int, out: torch.Tensor,
+                       *, chunk: int = DEFAULT_CHUNK, num_warps: int = 8,
+                       cap: int | None = None, programs: int | None = None) -> list:
+    """Top-`topk` slots of each row of scores [B, T, S] f32 (valid where s < lens[b, t], never
+    read elsewhere) into out [B, T, topk] int32 (contiguous); returns the launched kernels.
+
+    `chunk` (a power of two >= 16) is the slots per chunk, `num_warps` the warps of the chunk
+    kernels, `programs` their programs per row (default `programs_per_row`), `cap` the
+    candidates kept per row (tests force the whole-row fallback with a small one).
+    """
+    batch, tokens, slots = scores.shape
+    rows = batch * tokens
+    n_chunks = triton.cdiv(slots, chunk)
+    programs = min(programs or programs_per_row(rows, n_chunks, scores.device), n_chunks)
+    stats_tiles = triton.cdiv(n_chunks, _STATS_TILE.value)
+    cap = cap or candidate_cap(topk)
+    dev = scores.device
+    stats = torch.empty((rows, n_chunks, 4), dtype=torch.float32, device=dev)
+    hist = torch.empty((rows, n_chunks, NUM_BINS), dtype=torch.int32, device=dev)
+    cand = torch.empty((rows, cap), dtype=torch.float32, device=dev)
+    cand_slot = torch.empty((rows, cap), dtype=torch.int32, device=dev)
+    bin_grid = torch.empty((rows, 2), dtype=torch.float32, device=dev)
+    meta = torch.empty((rows, 2), dtype=torch.int32, device=dev)
+    common = (tokens, slots, n_chunks, programs)
+    grid = (rows, programs)
+    kernels = [
+        _chunk_stats_kernel[grid](scores, lens, stats, *common, *lens.stride(), TOPK=topk,
+                                  CHUNK=chunk, num_warps=num_warps),
+        _chunk_hist_kernel[grid](scores, lens, stats, hist, bin_grid, *common, *lens.stride(),
+                                 TOPK=topk, CHUNK=chunk, NUM_BINS=NUM_BINS,
+                                 STATS_TILES=stats_tiles, SPREAD=SPREAD, num_warps=num_warps),
+        _chunk_split_kernel[grid](scores, lens, bin_grid, hist, out, cand, cand_slot, meta,
+                                  *common, cap, *lens.stride(), TOPK=topk, CHUNK=chunk,
+                                  NUM_BINS=NUM_BINS, HIST_TILE=_HIST_TILE, num_warps=num_warps),
+        _finish_kernel[(rows,)](scores, lens, out, cand, cand_slot, meta, tokens, slots, cap,
+                                *lens.stride(), TOPK=topk, BLOCK=_FINISH_BLOCK, num_warps=8),
+    ]
+    return kernels
