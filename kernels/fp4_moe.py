@@ -315,7 +315,8 @@ def word_major(a: torch.Tensor) -> torch.Tensor:
 def _as_words(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [E, R, C] (C % 4 == 0) -> the same bytes as int32 [E, R, C/4], 16-byte aligned."""
     packed = packed.contiguous()
-    if packed.data_ptr() % 16:
+    if packed.data_ptr() % 16:  # a view at an odd offset: the vector loads need aligned words
+        logger.warning("fp4_moe: packed weights at a misaligned address are copied on every call")
         packed = packed.clone()
     return packed.view(torch.int32)
 

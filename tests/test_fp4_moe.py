@@ -222,11 +222,14 @@ def test_tile_config_rejects_bad_values(kwargs, match):
         moe.TileConfig(**{**base, **kwargs})
 
 
-def test_word_views():
+def test_word_views(caplog):
     """The GEMV path's views: word-major activations and int32 weight words from any uint8 view."""
     a = torch.arange(32.0).reshape(2, 16)
     assert torch.equal(moe.word_major(a)[1, 3], torch.tensor([19.0, 27.0]))  # a[1, 8j + 3]
-    packed = torch.randint(0, 256, (2, 3, 21), dtype=torch.uint8)[:, :, 1:17]  # offset 1, not contiguous
-    words = moe._as_words(packed)
-    assert words.dtype == torch.int32 and words.shape == (2, 3, 4)
-    assert torch.equal(words.view(torch.uint8), packed)
+    strided = torch.randint(0, 256, (2, 3, 21), dtype=torch.uint8)[:, :, 1:17]
+    misaligned = torch.randint(0, 256, (97,), dtype=torch.uint8)[1:].view(2, 3, 16)  # contiguous, offset 1
+    for packed in (strided, misaligned):
+        words = moe._as_words(packed)
+        assert words.dtype == torch.int32 and words.shape == (2, 3, 4) and words.data_ptr() % 16 == 0
+        assert torch.equal(words.view(torch.uint8), packed)
+    assert "misaligned" in caplog.text
