@@ -301,9 +301,11 @@ def _down_kernel(
 # GEMV path: the rows of one expert block are few (decode), so no tl.dot. Each program streams a
 # [BLOCK_N, BLOCK_K] tile of packed weights as int32 words (8 codes each), decodes two codes per
 # instruction sequence (codes q and q+4 of a word sit 16 bits apart, so one shift-and-mask builds
-# an f16 pair), multiplies them with the activations and sums each scale group in registers; the
-# group scale is applied once per group and the cross-thread reduction over K happens once, after
-# the K loop. The activations are read in "word-major" order, act[m, q, j] = a[m, 8j + q]
+# an f16 pair) once per K step, then for each of its BLOCK_M rows multiplies them with that row's
+# activations and sums each scale group in registers; the group scale is applied once per group
+# and the cross-thread reduction over K happens once, after the K loop. Each row's activations are
+# loaded as their own [1, 1, BLOCK_K // 8] tensor: a [BLOCK_M, ...] activation load would make
+# Triton spread warps over rows and move the decoded weights through shared memory instead. The activations are read in "word-major" order, act[m, q, j] = a[m, 8j + q]
 # (`word_major`), so the q-th codes of consecutive words meet contiguous activations. Parallelism
 # comes from N: at M=1 the 6 experts x 4096 rows give 24576 rows, some 1500 programs with
 # BLOCK_N=16 for 132 SMs, so no split over K is needed.
@@ -340,31 +342,49 @@ def _e2m1_pair_times_2pow_minus14(words, Q: tl.constexpr):
 
 
 @triton.jit
-def _gemv_accumulate(acc, act_ptr, act_q_stride, act_mask, w_ptr, s_ptr, rows, row_mask, k0, stride_w, stride_s,
-                     BLOCK_K: tl.constexpr, GROUP: tl.constexpr, IS_MX: tl.constexpr):
-    """acc [BM, BN, BLOCK_K // GROUP] += per-group partial dots of BM activation rows with the FP4 rows
-    `rows` [BN] (as int32 words, row stride `stride_w` words), columns [k0, k0 + BLOCK_K).
+def _load_decoded_words(w_ptr, rows, row_mask, k0, stride_w, BLOCK_K: tl.constexpr):
+    """FP4 rows `rows` [BN] (int32 words, row stride `stride_w` words), columns [k0, k0 + BLOCK_K) ->
+    8 tensors [1, BN, BLOCK_K // 8] f32 (value * 2**-14): codes 0, 4, 1, 5, 2, 6, 3, 7 of each word.
 
-    act_ptr [BM, 1, 1]: each row's word-major activations (q-th codes at act_q_stride apart),
-    already offset by k0 // 8. The words are loaded as [1, BN, BLOCK_K // 8] so that their layout
-    (contiguous words per thread) is the layout of the [BM, BN, BLOCK_K // 8] products: the rows
-    broadcast inside each thread and the weights never move between threads.
+    The words are loaded as [1, BN, BLOCK_K // 8] so that their layout (contiguous words per thread)
+    is the layout of every product below: the weights never move between threads.
     """
     jw = tl.arange(0, BLOCK_K // 8)
     words = tl.load(w_ptr + rows[None, :, None] * stride_w + (k0 // 8 + jw)[None, None, :],
                     mask=row_mask[None, :, None], other=0)
-    prod = tl.zeros((act_ptr.shape[0], rows.shape[0], BLOCK_K // 8), dtype=tl.float32)
-    for q in tl.static_range(4):
-        low, high = _e2m1_pair_times_2pow_minus14(words, q)
-        a_low = tl.load(act_ptr + q * act_q_stride + jw[None, None, :], mask=act_mask, other=0.0)
-        a_high = tl.load(act_ptr + (q + 4) * act_q_stride + jw[None, None, :], mask=act_mask, other=0.0)
-        prod += low * a_low.to(tl.float32)  # two separate adds: each contracts to one FFMA
-        prod += high * a_high.to(tl.float32)
+    c0, c4 = _e2m1_pair_times_2pow_minus14(words, 0)
+    c1, c5 = _e2m1_pair_times_2pow_minus14(words, 1)
+    c2, c6 = _e2m1_pair_times_2pow_minus14(words, 2)
+    c3, c7 = _e2m1_pair_times_2pow_minus14(words, 3)
+    return c0, c4, c1, c5, c2, c6, c3, c7
+
+
+@triton.jit
+def _load_group_scales(s_ptr, rows, row_mask, k0, stride_s,
+                       BLOCK_K: tl.constexpr, GROUP: tl.constexpr, IS_MX: tl.constexpr):
+    """Scales of rows [BN], columns [k0, k0 + BLOCK_K) -> [1, BN, BLOCK_K // GROUP] f32 (times 2**14)."""
+    offs = rows[None, :, None] * stride_s + (k0 // GROUP + tl.arange(0, BLOCK_K // GROUP))[None, None, :]
+    s_raw = tl.load(s_ptr + offs, mask=row_mask[None, :, None], other=0)
+    return _block_scale(s_raw, IS_MX) * 16384.0
+
+
+@triton.jit
+def _row_group_sums(c0, c4, c1, c5, c2, c6, c3, c7, act_ptr, act_q_stride, act_ok,
+                    BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    """One activation row (word-major at act_ptr, q-th codes act_q_stride apart; zeros where not
+    act_ok) times the decoded codes -> per scale group partial dots [1, BN, BLOCK_K // GROUP]."""
+    jw = tl.arange(0, BLOCK_K // 8)[None, None, :]
+    # One FFMA per code: separate adds so each contracts with its multiply.
+    prod = c0 * tl.load(act_ptr + jw, mask=act_ok, other=0.0)
+    prod += c4 * tl.load(act_ptr + 4 * act_q_stride + jw, mask=act_ok, other=0.0)
+    prod += c1 * tl.load(act_ptr + act_q_stride + jw, mask=act_ok, other=0.0)
+    prod += c5 * tl.load(act_ptr + 5 * act_q_stride + jw, mask=act_ok, other=0.0)
+    prod += c2 * tl.load(act_ptr + 2 * act_q_stride + jw, mask=act_ok, other=0.0)
+    prod += c6 * tl.load(act_ptr + 6 * act_q_stride + jw, mask=act_ok, other=0.0)
+    prod += c3 * tl.load(act_ptr + 3 * act_q_stride + jw, mask=act_ok, other=0.0)
+    prod += c7 * tl.load(act_ptr + 7 * act_q_stride + jw, mask=act_ok, other=0.0)
     groups: tl.constexpr = BLOCK_K // GROUP
-    group_sum = tl.sum(tl.reshape(prod, (prod.shape[0], rows.shape[0], groups, GROUP // 8)), axis=3)
-    s_offs = rows[None, :, None] * stride_s + (k0 // GROUP + tl.arange(0, groups))[None, None, :]
-    s_raw = tl.load(s_ptr + s_offs, mask=row_mask[None, :, None], other=0)
-    return acc + group_sum * (_block_scale(s_raw, IS_MX) * 16384.0)
+    return tl.sum(tl.reshape(prod, (1, prod.shape[1], groups, GROUP // 8)), axis=3)
 
 
 @triton.jit
@@ -378,16 +398,14 @@ def _gate_up_gemv_kernel(
     HAS_LIMIT: tl.constexpr, IS_MX: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """x word-major [M, 8, K/8], w13 as int32 words -> hidden word-major [M*k, 8, I/8] (sorted pairs)."""
+    """x word-major f32 [M, 8, K/8], w13 as int32 words -> hidden word-major f32 [M*k, 8, I/8]
+    (rows in sorted-pair order)."""
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert >= E:
         return
     start = tl.load(block_start_ptr + block)
     end = tl.load(block_end_ptr + block)
-    rows = start + tl.arange(0, BLOCK_M)
-    row_mask = rows < end
-    token = tl.load(order_ptr + rows, mask=row_mask, other=0) // TOP_K
     # One [2 * BLOCK_N] stream of W13 rows: BLOCK_N gate rows, then the matching BLOCK_N up rows.
     lane = tl.arange(0, 2 * BLOCK_N)
     cols = tl.program_id(1) * BLOCK_N + lane % BLOCK_N
@@ -395,12 +413,17 @@ def _gate_up_gemv_kernel(
     col_mask = cols < I
     w_base = w13_ptr + expert.to(tl.int64) * stride_we
     s_base = s13_ptr + expert.to(tl.int64) * stride_se
+    row_id = tl.arange(0, BLOCK_M)[:, None, None]
     acc = tl.zeros((BLOCK_M, 2 * BLOCK_N, BLOCK_K // GROUP), dtype=tl.float32)
-    x_rows = x_ptr + token[:, None, None].to(tl.int64) * stride_x
-    a_mask = row_mask[:, None, None]
     for k0 in range(0, K, BLOCK_K):
-        acc = _gemv_accumulate(acc, x_rows + k0 // 8, K // 8, a_mask, w_base, s_base, w_rows, col_mask, k0,
-                               stride_wn, stride_sn, BLOCK_K, GROUP, IS_MX)
+        c0, c4, c1, c5, c2, c6, c3, c7 = _load_decoded_words(w_base, w_rows, col_mask, k0, stride_wn, BLOCK_K)
+        scale = _load_group_scales(s_base, w_rows, col_mask, k0, stride_sn, BLOCK_K, GROUP, IS_MX)
+        for r in tl.static_range(BLOCK_M):
+            row_ok = start + r < end
+            token = tl.load(order_ptr + start + r, mask=row_ok, other=0) // TOP_K
+            act = x_ptr + token.to(tl.int64) * stride_x + k0 // 8
+            sums = _row_group_sums(c0, c4, c1, c5, c2, c6, c3, c7, act, K // 8, row_ok, BLOCK_K, GROUP)
+            acc += tl.where(row_id == r, sums * scale, 0.0)
     gate_up = tl.sum(acc, axis=2)
     if not IS_MX:
         gate_up = gate_up * tl.load(g13_ptr + expert)
@@ -409,11 +432,11 @@ def _gate_up_gemv_kernel(
         gate = tl.minimum(gate, LIMIT)
         up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
     act = gate / (1.0 + tl.exp(-gate)) * up
+    rows = start + tl.arange(0, BLOCK_M)
     out_cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    out_mask = row_mask[:, None] & (out_cols < I)[None, :]
+    out_mask = (rows < end)[:, None] & (out_cols < I)[None, :]
     word_major_col = (out_cols % 8) * (I // 8) + out_cols // 8
-    tl.store(hidden_ptr + rows[:, None] * stride_h + word_major_col[None, :], act.to(hidden_ptr.dtype.element_ty),
-             mask=out_mask)
+    tl.store(hidden_ptr + rows[:, None] * stride_h + word_major_col[None, :], act, mask=out_mask)
 
 
 @triton.jit
@@ -425,26 +448,29 @@ def _down_gemv_kernel(
     K: tl.constexpr, I: tl.constexpr, IS_MX: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """hidden word-major [M*k, 8, I/8], w2 as int32 words -> weighted pair outputs [M*k, K] f32."""
+    """hidden word-major f32 [M*k, 8, I/8], w2 as int32 words -> weighted pair outputs [M*k, K] f32."""
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert >= E:
         return
     start = tl.load(block_start_ptr + block)
     end = tl.load(block_end_ptr + block)
-    rows = start + tl.arange(0, BLOCK_M)
-    row_mask = rows < end
-    pair = tl.load(order_ptr + rows, mask=row_mask, other=0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < K
     w_base = w2_ptr + expert.to(tl.int64) * stride_we
     s_base = s2_ptr + expert.to(tl.int64) * stride_se
+    row_id = tl.arange(0, BLOCK_M)[:, None, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // GROUP), dtype=tl.float32)
-    h_rows = hidden_ptr + rows[:, None, None].to(tl.int64) * stride_h
-    a_mask = row_mask[:, None, None]
     for k0 in range(0, I, BLOCK_K):
-        acc = _gemv_accumulate(acc, h_rows + k0 // 8, I // 8, a_mask, w_base, s_base, cols, col_mask, k0,
-                               stride_wn, stride_sn, BLOCK_K, GROUP, IS_MX)
+        c0, c4, c1, c5, c2, c6, c3, c7 = _load_decoded_words(w_base, cols, col_mask, k0, stride_wn, BLOCK_K)
+        scale = _load_group_scales(s_base, cols, col_mask, k0, stride_sn, BLOCK_K, GROUP, IS_MX)
+        for r in tl.static_range(BLOCK_M):
+            act = hidden_ptr + (start + r).to(tl.int64) * stride_h + k0 // 8
+            sums = _row_group_sums(c0, c4, c1, c5, c2, c6, c3, c7, act, I // 8, start + r < end, BLOCK_K, GROUP)
+            acc += tl.where(row_id == r, sums * scale, 0.0)
+    rows = start + tl.arange(0, BLOCK_M)
+    row_mask = rows < end
+    pair = tl.load(order_ptr + rows, mask=row_mask, other=0)
     out = tl.sum(acc, axis=2)
     routing = tl.load(weights_ptr + pair, mask=row_mask, other=0.0)
     if not IS_MX:
@@ -585,7 +611,10 @@ def fp4_moe_pairs_triton(
     group = GROUP[fmt]
     x = x.contiguous()
     order, block_expert, block_start, block_end = expert_blocks(topk_ids, experts, config.block_m)
-    hidden_rows = torch.empty(pairs, inter, dtype=torch.float32 if dot_dtype == tl.float32 else x.dtype, device=x.device)
+    # The GEMV path keeps its activations in f32: converting bf16 in the K loop costs two
+    # instructions per value per thread, comparable to decoding the weights it meets.
+    hidden_dtype = torch.float32 if (dot_dtype == tl.float32 or config.path == "gemv") else x.dtype
+    hidden_rows = torch.empty(pairs, inter, dtype=hidden_dtype, device=x.device)
     if pair_out is None:
         pair_out = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
     if pairs == 0:
@@ -601,7 +630,7 @@ def fp4_moe_pairs_triton(
                   num_warps=config.num_warps, num_stages=config.num_stages)
     if config.path == "gemv":
         gate_up, down = _gate_up_gemv_kernel, _down_gemv_kernel
-        x, w13, w2 = word_major(x), _as_words(w13), _as_words(w2)
+        x, w13, w2 = word_major(x.float()), _as_words(w13), _as_words(w2)
     else:
         gate_up, down = _gate_up_kernel, _down_kernel
         common.update(USE_DOT_SCALED=use_dot_scaled, DOT_DTYPE=dot_dtype)
