@@ -2,6 +2,11 @@
 
     python bench/bench_fp4_moe.py --out DIR            # H200: E=256, K=4096, I=2048, k=6
     TRITON_INTERPRET=1 python bench/bench_fp4_moe.py --smoke --out DIR   # CPU check of this script
+    python bench/bench_fp4_moe.py --sweep --out DIR    # H200: time each candidate TileConfig
+
+--sweep checks every candidate tile configuration (SWEEP_CANDIDATES) against the reference and
+times the correct ones from CUDA-graph replays at M in {1, 8, 64, 256}, both formats; it writes
+sweep.json and sweep.md (per-config times, HBM fraction, shared memory) and prints the table.
 
 For each format and M in {1, 8, 64} (decode) and 256 (verify, 64 x 4 tokens):
 1. correctness of the Triton op against the eager reference on random weights;
@@ -16,6 +21,7 @@ For each format and M in {1, 8, 64} (decode) and 256 (verify, 64 x 4 tokens):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -135,10 +141,13 @@ def touched_bytes(ids: torch.Tensor, w: dict, hidden: int) -> int:
     return touched * per_expert + 2 * ids.shape[0] * hidden * 2
 
 
+EXPERT_KERNELS = (moe._gate_up_kernel, moe._down_kernel, moe._gate_up_gemv_kernel, moe._down_gemv_kernel)
+
+
 def shared_memory_records() -> list[dict]:
-    """kernel.metadata.shared of every compiled config of the two Triton kernels."""
+    """kernel.metadata.shared of every compiled config of the expert kernels (both paths)."""
     records = []
-    for kernel in (moe._gate_up_kernel, moe._down_kernel):
+    for kernel in EXPERT_KERNELS:
         caches = getattr(kernel, "device_caches", {})
         for device, cache in caches.items():
             compiled_by_key = cache[0] if isinstance(cache, tuple) else cache
@@ -146,7 +155,7 @@ def shared_memory_records() -> list[dict]:
                 meta = compiled.metadata
                 records.append(dict(kernel=kernel.fn.__name__, device=str(device), shared=int(meta.shared),
                                     num_warps=int(meta.num_warps), num_stages=int(meta.num_stages),
-                                    key=str(key)[:200]))
+                                    key=str(key)[:200], full_key=key))
     return records
 
 
@@ -259,25 +268,141 @@ def markdown(rows: list[dict], smem: list[dict], meta: dict) -> str:
     return "\n".join(lines)
 
 
+def _gemv(block_m, block_n, block_k, warps):
+    return moe.TileConfig("gemv", block_m, block_n, block_k, num_warps=warps)
+
+
+def _dot(block_m, block_n, block_k, warps, stages):
+    return moe.TileConfig("dot", block_m, block_n, block_k, num_warps=warps, num_stages=stages)
+
+
+# Candidates per M at V4-Flash sizes (E=256, k=6), the default of each size class first. M=1 and 8
+# share their list (one size class) so they compile once; the dot entries are the pre-GEMV kernel.
+_DECODE = [_gemv(1, 16, 512, 4), _gemv(1, 8, 512, 2), _gemv(1, 16, 256, 4), _gemv(1, 32, 512, 8),
+           _gemv(1, 16, 1024, 4), _gemv(1, 64, 256, 8), _dot(16, 64, 128, 4, 2)]
+SWEEP_CANDIDATES = {
+    1: _DECODE,
+    8: _DECODE,
+    64: [_gemv(2, 16, 512, 4), _gemv(1, 16, 512, 4), _gemv(2, 32, 512, 8), _gemv(2, 16, 256, 4),
+         _gemv(4, 16, 512, 4), _gemv(2, 8, 512, 2), _dot(16, 64, 128, 4, 2), _dot(16, 32, 256, 4, 3)],
+    256: [_gemv(8, 16, 512, 8), _gemv(4, 16, 512, 4), _gemv(8, 32, 256, 8), _gemv(2, 16, 512, 4),
+          _dot(16, 64, 128, 4, 2), _dot(16, 128, 128, 8, 3), _dot(32, 64, 128, 4, 3)],
+}
+
+
+def _compiled_keys() -> set:
+    return {(kernel.fn.__name__, key) for kernel in EXPERT_KERNELS
+            for cache in getattr(kernel, "device_caches", {}).values()
+            for key in (cache[0] if isinstance(cache, tuple) else cache)}
+
+
+def sweep_case(fmt, tokens, cfg, w, timer, device, gen, candidates) -> list[dict]:
+    """Check then time every candidate TileConfig at one (format, M); rows for sweep.md."""
+    experts, hidden, top_k = cfg["E"], cfg["K"], cfg["k"]
+    x = torch.randn(tokens, hidden, device=device, generator=gen).to(torch.bfloat16)
+    scores = torch.rand(tokens, experts, device=device, generator=gen)
+    ids = scores.topk(top_k, dim=-1).indices.to(torch.int32)
+    weights = torch.rand(tokens, top_k, device=device, generator=gen) / top_k * 1.5
+    args = op_args(x, ids, weights, w)
+    want = moe.fp4_moe_reference(*args).float()
+    scale = max(want.abs().max().item(), 1e-6)
+    floor_ms = touched_bytes(ids, w, hidden) / HBM_BYTES_PER_S * 1e3
+    default = moe.choose_config(tokens * top_k, experts)
+    rows = []
+    for config in candidates:
+        def run(config=config):
+            pairs = moe.fp4_moe_pairs_triton(*args, config=config)
+            return moe.combine_pairs(pairs, ids, experts, x.dtype)
+
+        before = _compiled_keys()
+        row = dict(fmt=fmt, M=tokens, config=dataclasses.asdict(config), default=config == default)
+        try:
+            err = (run().float() - want).abs().max().item() / scale
+        except Exception as exc:  # a config that does not build: record it, keep sweeping
+            row.update(correct=False, error=f"{type(exc).__name__}: {str(exc)[:200]}")
+            rows.append(row)
+            continue
+        row["max_err_rel"] = err
+        row["correct"] = bool(err < 3e-2)  # as run_case: bf16 x, hidden and output
+        if row["correct"]:
+            row["ms"] = timer(graph_replay(run) if device == "cuda" else run)
+            row["hbm_fraction"] = floor_ms / row["ms"]
+        new = _compiled_keys() - before
+        row["shared"] = [s["shared"] for s in shared_memory_records()
+                         if (s["kernel"], s["full_key"]) in new]
+        rows.append(row)
+    return rows
+
+
+def sweep_markdown(rows: list[dict], meta: dict) -> str:
+    lines = [f"# fp4_moe tile sweep ({meta['date']}, torch {meta['torch']}, triton {meta['triton']}, {meta['device']})",
+             "", f"command: `{meta['command']}`", "",
+             "| fmt | M | path | BM | BN | BK | warps | stages | default | ok (rel err) | graph ms | HBM frac | shared B |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        c = r["config"]
+        ok = f"{r['correct']} ({r['max_err_rel']:.1e})" if "max_err_rel" in r else f"False ({r.get('error', '')[:60]})"
+        ms = f"{r['ms']:.4f}" if "ms" in r else "-"
+        frac = f"{r['hbm_fraction']:.2f}" if "hbm_fraction" in r else "-"
+        shared = ",".join(str(v) for v in r.get("shared", [])) or "cached"
+        lines.append(f"| {r['fmt']} | {r['M']} | {c['path']} | {c['block_m']} | {c['block_n']} | {c['block_k']} "
+                     f"| {c['num_warps']} | {c['num_stages']} | {'*' if r['default'] else ''} | {ok} | {ms} | {frac} "
+                     f"| {shared} |")
+    lines += ["", "HBM frac: touched experts' bytes / 4.8 TB/s over the graph replay time. 'cached': the "
+              "kernels were compiled by an earlier row. Shared memory must stay <= 101376 B."]
+    return "\n".join(lines)
+
+
+def run_sweep(cfg, device, timer, formats, out_dir, meta) -> None:
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows: list[dict] = []
+    for fmt in formats:
+        w = random_experts(fmt, cfg["E"], cfg["K"], cfg["I"], device, gen)
+        for tokens in cfg["Ms"]:
+            rows += sweep_case(fmt, tokens, cfg, w, timer, device, gen, cfg["candidates"][tokens])
+        del w
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    with open(os.path.join(out_dir, "sweep.json"), "w") as fh:
+        json.dump(dict(meta=meta, config={k: v for k, v in cfg.items() if k != "candidates"}, rows=rows), fh, indent=1)
+    table = sweep_markdown(rows, meta)
+    with open(os.path.join(out_dir, "sweep.md"), "w") as fh:
+        fh.write(table + "\n")
+    print(table)
+    assert all(r["correct"] for r in rows), "a swept configuration disagrees with the reference"
+    assert all(v <= SMEM_LIMIT for r in rows for v in r.get("shared", [])), f"a config exceeds {SMEM_LIMIT} B"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="directory for results.json and results.md")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (TRITON_INTERPRET=1)")
     parser.add_argument("--formats", default="mxfp4,nvfp4")
+    parser.add_argument("--sweep", action="store_true", help="time each candidate tile config (SWEEP_CANDIDATES)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
     if args.smoke:
-        cfg = dict(E=8, K=64, I=32, k=2, Ms=(1, 4), compile_bytes=1 << 40)
+        cfg = dict(E=8, K=64, I=32, k=2, Ms=(1, 4), compile_bytes=1 << 40,
+                   candidates={m: [_gemv(1, 16, 64, 4), _gemv(2, 8, 32, 2), _dot(16, 32, 32, 4, 1)] for m in (1, 4)})
         device = "cpu"
         if os.environ.get("TRITON_INTERPRET") != "1":
             raise SystemExit("--smoke runs the kernels under the interpreter: set TRITON_INTERPRET=1")
     else:
-        cfg = dict(E=256, K=4096, I=2048, k=6, Ms=(1, 8, 64, 256), compile_bytes=8 << 30)
+        cfg = dict(E=256, K=4096, I=2048, k=6, Ms=(1, 8, 64, 256), compile_bytes=8 << 30,
+                   candidates=SWEEP_CANDIDATES)
         device = "cuda"
         if not torch.cuda.is_available():
             raise SystemExit("needs CUDA (or --smoke with TRITON_INTERPRET=1)")
     timer = make_timer(args.smoke)
+    if args.sweep:
+        import triton
+
+        meta = dict(date=time.strftime("%Y-%m-%d %H:%M"), torch=torch.__version__, triton=triton.__version__,
+                    device=torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)",
+                    command=" ".join(sys.argv))
+        run_sweep(cfg, device, timer, args.formats.split(","), args.out, meta)
+        return
     gen = torch.Generator(device=device).manual_seed(0)
     compiled_form = torch.compile(moe_experts_fp4)
     results: list[dict] = []
@@ -290,7 +415,7 @@ def main() -> None:
         if device == "cuda":
             torch.cuda.empty_cache()
 
-    smem = shared_memory_records() if device == "cuda" else []
+    smem = [{k: v for k, v in r.items() if k != "full_key"} for r in shared_memory_records()] if device == "cuda" else []
     import triton
 
     meta = dict(date=time.strftime("%Y-%m-%d %H:%M"), torch=torch.__version__, triton=triton.__version__,
@@ -298,7 +423,8 @@ def main() -> None:
                 device=torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)",
                 command=" ".join(sys.argv))
     with open(os.path.join(args.out, "results.json"), "w") as fh:
-        json.dump(dict(meta=meta, config=cfg, rows=results, shared_memory=smem), fh, indent=1)
+        json.dump(dict(meta=meta, config={k: v for k, v in cfg.items() if k != "candidates"}, rows=results,
+                       shared_memory=smem), fh, indent=1)
     table = markdown(results, smem, meta)
     with open(os.path.join(args.out, "results.md"), "w") as fh:
         fh.write(table + "\n")

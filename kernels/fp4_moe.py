@@ -14,11 +14,18 @@ Launch (capture-safe: static shapes, no host syncs):
 4. `combine_pairs`: out[m] = sum over the valid choices of m (a torch epilogue that inductor
    can fuse with what follows, e.g. the shared-expert add).
 
-Weights are dequantised to the dot dtype (bf16 for bf16 x on GPU, f32 for f32 x and under the
-interpreter) before tl.dot; on sm_100+ MXFP4 uses tl.dot_scaled on the packed codes instead.
+Steps 2 and 3 have two kernel pairs behind one launcher: a GEMV path (`_gate_up_gemv_kernel`,
+`_down_gemv_kernel`; no tl.dot) for expert blocks of at most GEMV_MAX_ROWS rows (decode and
+verify), and the dot path below for larger blocks; `choose_config` picks by average pairs per
+expert, `TileConfig` overrides it (tests, bench --sweep).
+
+On the dot path weights are dequantised to the dot dtype (bf16 for bf16 x on GPU, f32 for f32 x
+and under the interpreter) before tl.dot; on sm_100+ MXFP4 uses tl.dot_scaled on the packed codes
+instead.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -291,6 +298,188 @@ def _down_kernel(
     tl.store(pair_out_ptr + pair[:, None].to(tl.int64) * stride_o + cols[None, :], acc, mask=out_mask)
 
 
+# GEMV path: the rows of one expert block are few (decode), so no tl.dot. Each program streams a
+# [BLOCK_N, BLOCK_K] tile of packed weights as int32 words (8 codes each), decodes two codes per
+# instruction sequence (codes q and q+4 of a word sit 16 bits apart, so one shift-and-mask builds
+# an f16 pair) once per K step, then for each of its BLOCK_M rows multiplies them with that row's
+# activations and sums each scale group in registers; the group scale is applied once per group
+# and the cross-thread reduction over K happens once, after the K loop. Each row's activations are
+# loaded as their own [1, 1, BLOCK_K // 8] tensor: a [BLOCK_M, ...] activation load would make
+# Triton spread warps over rows and move the decoded weights through shared memory instead. The activations are read in "word-major" order, act[m, q, j] = a[m, 8j + q]
+# (`word_major`), so the q-th codes of consecutive words meet contiguous activations. Parallelism
+# comes from N: at M=1 the 6 experts x 4096 rows give 24576 rows, some 1500 programs with
+# BLOCK_N=16 for 132 SMs, so no split over K is needed.
+def word_major(a: torch.Tensor) -> torch.Tensor:
+    """a [R, C] (C % 8 == 0) -> [R, 8, C/8] with out[r, q, j] = a[r, 8j + q] (contiguous)."""
+    return a.reshape(a.shape[0], -1, 8).transpose(1, 2).contiguous()
+
+
+def _as_words(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [E, R, C] (C % 4 == 0) -> the same bytes as int32 [E, R, C/4], 16-byte aligned."""
+    packed = packed.contiguous()
+    if packed.data_ptr() % 16:  # a view at an odd offset: the vector loads need aligned words
+        logger.warning("fp4_moe: packed weights at a misaligned address are copied on every call")
+        packed = packed.clone()
+    return packed.view(torch.int32)
+
+
+@triton.jit
+def _e2m1_pair_times_2pow_minus14(words, Q: tl.constexpr):
+    """int32 words of 8 e2m1 codes -> (code Q, code Q+4) of each word as f32 value * 2**-14, Q in 0..3.
+
+    As in `_e2m1_times_2pow_minus14`, a code's 3 magnitude bits go to fp16 bits 9..11 and its sign to
+    bit 15; codes Q and Q+4 land in the low and high half of one 32-bit lane at once.
+    """
+    w = words.to(tl.uint32, bitcast=True)
+    if Q < 3:
+        magnitude = (w << (9 - 4 * Q)) & 0x0E000E00
+    else:
+        magnitude = (w >> 3) & 0x0E000E00
+    bits = magnitude | ((w << (12 - 4 * Q)) & 0x80008000)
+    low = (bits & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    high = (bits >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return low, high
+
+
+@triton.jit
+def _load_decoded_words(w_ptr, rows, row_mask, k0, stride_w, BLOCK_K: tl.constexpr):
+    """FP4 rows `rows` [BN] (int32 words, row stride `stride_w` words), columns [k0, k0 + BLOCK_K) ->
+    8 tensors [1, BN, BLOCK_K // 8] f32 (value * 2**-14): codes 0, 4, 1, 5, 2, 6, 3, 7 of each word.
+
+    The words are loaded as [1, BN, BLOCK_K // 8] so that their layout (contiguous words per thread)
+    is the layout of every product below: the weights never move between threads.
+    """
+    jw = tl.arange(0, BLOCK_K // 8)
+    words = tl.load(w_ptr + rows[None, :, None] * stride_w + (k0 // 8 + jw)[None, None, :],
+                    mask=row_mask[None, :, None], other=0)
+    c0, c4 = _e2m1_pair_times_2pow_minus14(words, 0)
+    c1, c5 = _e2m1_pair_times_2pow_minus14(words, 1)
+    c2, c6 = _e2m1_pair_times_2pow_minus14(words, 2)
+    c3, c7 = _e2m1_pair_times_2pow_minus14(words, 3)
+    return c0, c4, c1, c5, c2, c6, c3, c7
+
+
+@triton.jit
+def _load_group_scales(s_ptr, rows, row_mask, k0, stride_s,
+                       BLOCK_K: tl.constexpr, GROUP: tl.constexpr, IS_MX: tl.constexpr):
+    """Scales of rows [BN], columns [k0, k0 + BLOCK_K) -> [1, BN, BLOCK_K // GROUP] f32 (times 2**14)."""
+    offs = rows[None, :, None] * stride_s + (k0 // GROUP + tl.arange(0, BLOCK_K // GROUP))[None, None, :]
+    s_raw = tl.load(s_ptr + offs, mask=row_mask[None, :, None], other=0)
+    return _block_scale(s_raw, IS_MX) * 16384.0
+
+
+@triton.jit
+def _row_group_sums(c0, c4, c1, c5, c2, c6, c3, c7, act_ptr, act_q_stride, act_ok,
+                    BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    """One activation row (word-major at act_ptr, q-th codes act_q_stride apart; zeros where not
+    act_ok) times the decoded codes -> per scale group partial dots [1, BN, BLOCK_K // GROUP]."""
+    jw = tl.arange(0, BLOCK_K // 8)[None, None, :]
+    # One FFMA per code: separate adds so each contracts with its multiply.
+    prod = c0 * tl.load(act_ptr + jw, mask=act_ok, other=0.0)
+    prod += c4 * tl.load(act_ptr + 4 * act_q_stride + jw, mask=act_ok, other=0.0)
+    prod += c1 * tl.load(act_ptr + act_q_stride + jw, mask=act_ok, other=0.0)
+    prod += c5 * tl.load(act_ptr + 5 * act_q_stride + jw, mask=act_ok, other=0.0)
+    prod += c2 * tl.load(act_ptr + 2 * act_q_stride + jw, mask=act_ok, other=0.0)
+    prod += c6 * tl.load(act_ptr + 6 * act_q_stride + jw, mask=act_ok, other=0.0)
+    prod += c3 * tl.load(act_ptr + 3 * act_q_stride + jw, mask=act_ok, other=0.0)
+    prod += c7 * tl.load(act_ptr + 7 * act_q_stride + jw, mask=act_ok, other=0.0)
+    groups: tl.constexpr = BLOCK_K // GROUP
+    return tl.sum(tl.reshape(prod, (1, prod.shape[1], groups, GROUP // 8)), axis=3)
+
+
+@triton.jit
+def _gate_up_gemv_kernel(
+    x_ptr, order_ptr, block_expert_ptr, block_start_ptr, block_end_ptr,
+    w13_ptr, s13_ptr, g13_ptr, hidden_ptr,
+    E,
+    stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h,
+    LIMIT,
+    K: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, IS_MX: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """x word-major f32 [M, 8, K/8], w13 as int32 words -> hidden word-major f32 [M*k, 8, I/8]
+    (rows in sorted-pair order)."""
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block)
+    if expert >= E:
+        return
+    start = tl.load(block_start_ptr + block)
+    end = tl.load(block_end_ptr + block)
+    # One [2 * BLOCK_N] stream of W13 rows: BLOCK_N gate rows, then the matching BLOCK_N up rows.
+    lane = tl.arange(0, 2 * BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_N + lane % BLOCK_N
+    w_rows = cols + (lane // BLOCK_N) * I
+    col_mask = cols < I
+    w_base = w13_ptr + expert.to(tl.int64) * stride_we
+    s_base = s13_ptr + expert.to(tl.int64) * stride_se
+    row_id = tl.arange(0, BLOCK_M)[:, None, None]
+    acc = tl.zeros((BLOCK_M, 2 * BLOCK_N, BLOCK_K // GROUP), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        c0, c4, c1, c5, c2, c6, c3, c7 = _load_decoded_words(w_base, w_rows, col_mask, k0, stride_wn, BLOCK_K)
+        scale = _load_group_scales(s_base, w_rows, col_mask, k0, stride_sn, BLOCK_K, GROUP, IS_MX)
+        for r in tl.static_range(BLOCK_M):
+            row_ok = start + r < end
+            token = tl.load(order_ptr + start + r, mask=row_ok, other=0) // TOP_K
+            act = x_ptr + token.to(tl.int64) * stride_x + k0 // 8
+            sums = _row_group_sums(c0, c4, c1, c5, c2, c6, c3, c7, act, K // 8, row_ok, BLOCK_K, GROUP)
+            acc += tl.where(row_id == r, sums * scale, 0.0)
+    gate_up = tl.sum(acc, axis=2)
+    if not IS_MX:
+        gate_up = gate_up * tl.load(g13_ptr + expert)
+    gate, up = tl.split(tl.permute(tl.reshape(gate_up, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+    if HAS_LIMIT:
+        gate = tl.minimum(gate, LIMIT)
+        up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    rows = start + tl.arange(0, BLOCK_M)
+    out_cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    out_mask = (rows < end)[:, None] & (out_cols < I)[None, :]
+    word_major_col = (out_cols % 8) * (I // 8) + out_cols // 8
+    tl.store(hidden_ptr + rows[:, None] * stride_h + word_major_col[None, :], act, mask=out_mask)
+
+
+@triton.jit
+def _down_gemv_kernel(
+    hidden_ptr, order_ptr, block_expert_ptr, block_start_ptr, block_end_ptr, weights_ptr,
+    w2_ptr, s2_ptr, g2_ptr, pair_out_ptr,
+    E,
+    stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_o,
+    K: tl.constexpr, I: tl.constexpr, IS_MX: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """hidden word-major f32 [M*k, 8, I/8], w2 as int32 words -> weighted pair outputs [M*k, K] f32."""
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block)
+    if expert >= E:
+        return
+    start = tl.load(block_start_ptr + block)
+    end = tl.load(block_end_ptr + block)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < K
+    w_base = w2_ptr + expert.to(tl.int64) * stride_we
+    s_base = s2_ptr + expert.to(tl.int64) * stride_se
+    row_id = tl.arange(0, BLOCK_M)[:, None, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // GROUP), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        c0, c4, c1, c5, c2, c6, c3, c7 = _load_decoded_words(w_base, cols, col_mask, k0, stride_wn, BLOCK_K)
+        scale = _load_group_scales(s_base, cols, col_mask, k0, stride_sn, BLOCK_K, GROUP, IS_MX)
+        for r in tl.static_range(BLOCK_M):
+            act = hidden_ptr + (start + r).to(tl.int64) * stride_h + k0 // 8
+            sums = _row_group_sums(c0, c4, c1, c5, c2, c6, c3, c7, act, I // 8, start + r < end, BLOCK_K, GROUP)
+            acc += tl.where(row_id == r, sums * scale, 0.0)
+    rows = start + tl.arange(0, BLOCK_M)
+    row_mask = rows < end
+    pair = tl.load(order_ptr + rows, mask=row_mask, other=0)
+    out = tl.sum(acc, axis=2)
+    routing = tl.load(weights_ptr + pair, mask=row_mask, other=0.0)
+    if not IS_MX:
+        routing = routing * tl.load(g2_ptr + expert)
+    out = out * routing[:, None]
+    out_mask = row_mask[:, None] & col_mask[None, :]
+    tl.store(pair_out_ptr + pair[:, None].to(tl.int64) * stride_o + cols[None, :], out, mask=out_mask)
+
+
 def expert_blocks(topk_ids: torch.Tensor, experts: int, block_m: int):
     """Group the (token, choice) pairs by expert into blocks of `block_m` rows, on device.
 
@@ -333,55 +522,128 @@ def native_fp4_dot(x: torch.Tensor, fmt: str) -> bool:
     return fmt == "mxfp4" and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 10
 
 
-def choose_block_m(pairs: int, experts: int) -> int:
-    """Rows per block: 16 while experts see few pairs each (decode, verify), 64 beyond."""
-    return 16 if pairs <= 16 * experts else 64
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """One launch configuration of the two expert kernels.
+
+    path: "gemv" (no tl.dot; for expert blocks of a few rows) or "dot" (tl.dot / tl.dot_scaled).
+    block_m: pair rows per expert block; block_n: output columns per program; block_k: reduction
+    columns per loop step (clamped to what divides K and I, see `_fit_block_k`).
+    """
+
+    path: str
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 1
+
+    def __post_init__(self):
+        if self.path not in ("gemv", "dot"):
+            raise ValueError(f"TileConfig.path must be 'gemv' or 'dot', got {self.path!r}")
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"TileConfig.{name} must be a power of two, got {value}")
+        if self.path == "dot" and self.block_m < 16:
+            raise ValueError(f"TileConfig.block_m must be >= 16 for the dot path (tl.dot), got {self.block_m}")
+
+
+# Rows per expert block of the GEMV path, by average pairs per expert (M*k / E; a static shape
+# fact, so the choice is capture-safe). Every row of a GEMV block costs 2 FMAs per weight byte
+# whether the row is real or padding, while each extra block of the same expert re-reads its
+# weights (mostly from L2: the blocks of one expert are adjacent in the grid), so the block is
+# the power of two at or above the average, and blocks of up to 8 rows; beyond 8 rows per expert
+# the weights are reused enough for tensor-core tiles (the dot path). V4-Flash (E=256, k=6):
+# M=1 and 8 -> 1 row, M=64 -> 2, M=256 (verify) -> 8.
+GEMV_MAX_ROWS = 8
+# num_stages only matters on the dot path: Triton 3.6 software-pipelines loads only in loops with
+# a tl.dot, so the GEMV kernels keep bytes in flight through several programs per SM instead
+# (sm_90 builds: 48-95 registers per thread at one row, i.e. 5+ resident programs of 4 warps).
+DEFAULT_CONFIGS = {
+    1: TileConfig("gemv", 1, 16, 512, num_warps=4),
+    2: TileConfig("gemv", 2, 16, 512, num_warps=4),
+    4: TileConfig("gemv", 4, 16, 512, num_warps=4),
+    8: TileConfig("gemv", 8, 16, 512, num_warps=8),
+    "dot16": TileConfig("dot", 16, 64, 128, num_warps=4, num_stages=2),
+    "dot64": TileConfig("dot", 64, 64, 128, num_warps=4, num_stages=2),
+}
+
+
+def size_class(pairs: int, experts: int) -> int | str:
+    """The DEFAULT_CONFIGS key for M*k = `pairs` (token, choice) pairs over `experts` experts."""
+    average = max(1, -(-pairs // experts))
+    if average <= GEMV_MAX_ROWS:
+        return 1 << (average - 1).bit_length()
+    return "dot16" if average <= 16 else "dot64"
+
+
+def choose_config(pairs: int, experts: int) -> TileConfig:
+    """The launch configuration for M*k = `pairs` pairs over `experts` experts (see GEMV_MAX_ROWS)."""
+    return DEFAULT_CONFIGS[size_class(pairs, experts)]
+
+
+def _fit_block_k(block_k: int, hidden: int, inter: int, group: int) -> int:
+    """The largest power of two <= block_k dividing both K and I (both are multiples of `group`)."""
+    common = min(hidden & -hidden, inter & -inter)
+    return max(min(block_k, common), group)
 
 
 def fp4_moe_pairs_triton(
     x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, fmt, w13_global, w2_global, swiglu_limit,
-    pair_out: torch.Tensor | None = None, use_dot_scaled: bool | None = None,
+    pair_out: torch.Tensor | None = None, use_dot_scaled: bool | None = None, config: TileConfig | None = None,
 ) -> torch.Tensor:
     """Launch both kernels. Returns pair_out [M*k, K] f32, rows of skipped pairs left unwritten.
 
-    `pair_out` may be passed pre-poisoned (tests); `use_dot_scaled` overrides the arch choice.
+    `pair_out` may be passed pre-poisoned (tests); `use_dot_scaled` overrides the arch choice of
+    the dot path; `config` overrides `choose_config` (tests force a path, the bench sweeps).
     """
     tokens, hidden = x.shape
     experts, two_inter, _ = w13.shape
     inter, top_k = two_inter // 2, topk_ids.shape[1]
     pairs = tokens * top_k
+    if config is None:
+        config = choose_config(pairs, experts)
     interpreted = not x.is_cuda
     dot_dtype = tl.float32 if (interpreted or x.dtype == torch.float32) else tl.bfloat16
     if use_dot_scaled is None:
         use_dot_scaled = native_fp4_dot(x, fmt)
-    block_m = choose_block_m(pairs, experts)
     group = GROUP[fmt]
     x = x.contiguous()
-    order, block_expert, block_start, block_end = expert_blocks(topk_ids, experts, block_m)
-    hidden_rows = torch.empty(pairs, inter, dtype=torch.float32 if dot_dtype == tl.float32 else x.dtype, device=x.device)
+    order, block_expert, block_start, block_end = expert_blocks(topk_ids, experts, config.block_m)
+    # The GEMV path keeps its activations in f32: converting bf16 in the K loop costs two
+    # instructions per value per thread, comparable to decoding the weights it meets.
+    hidden_dtype = torch.float32 if (dot_dtype == tl.float32 or config.path == "gemv") else x.dtype
+    hidden_rows = torch.empty(pairs, inter, dtype=hidden_dtype, device=x.device)
     if pair_out is None:
         pair_out = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
     if pairs == 0:
         return pair_out
-    block_k = 128 if min(hidden, inter) % 128 == 0 else (64 if min(hidden, inter) % 64 == 0 else 32)
-    block_n = 64
+    block_k = _fit_block_k(config.block_k, hidden, inter, group)
+    block_n = config.block_n
     # Scales are read as raw bytes; the nvfp4 e4m3 bytes are decoded in the kernel.
     s13, s2 = w13_scale.view(torch.uint8), w2_scale.view(torch.uint8)
     g13 = w13_global if w13_global is not None else s13  # unused pointer for mxfp4
     g2 = w2_global if w2_global is not None else s2
     weights = topk_weights.contiguous()
-    common = dict(IS_MX=fmt == "mxfp4", USE_DOT_SCALED=use_dot_scaled, GROUP=group, DOT_DTYPE=dot_dtype,
-                  BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=2)
+    common = dict(IS_MX=fmt == "mxfp4", GROUP=group, BLOCK_M=config.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                  num_warps=config.num_warps, num_stages=config.num_stages)
+    if config.path == "gemv":
+        gate_up, down = _gate_up_gemv_kernel, _down_gemv_kernel
+        x, w13, w2 = word_major(x.float()), _as_words(w13), _as_words(w2)
+    else:
+        gate_up, down = _gate_up_kernel, _down_kernel
+        common.update(USE_DOT_SCALED=use_dot_scaled, DOT_DTYPE=dot_dtype)
     num_blocks = block_expert.numel()
     # K, I, k are constexpr: fixed per model, and loop bounds the interpreter (numpy >= 2.4) accepts.
-    _gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
+    gate_up[(num_blocks, triton.cdiv(inter, block_n))](
         x, order, block_expert, block_start, block_end, w13, s13, g13, hidden_rows,
         experts,
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), hidden_rows.stride(0),
         float(swiglu_limit) if swiglu_limit is not None else 0.0,
         K=hidden, I=inter, TOP_K=top_k, HAS_LIMIT=swiglu_limit is not None, **common,
     )
-    _down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
+    down[(num_blocks, triton.cdiv(hidden, block_n))](
         hidden_rows, order, block_expert, block_start, block_end, weights, w2, s2, g2, pair_out,
         experts,
         hidden_rows.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), pair_out.stride(0),

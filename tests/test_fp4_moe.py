@@ -13,8 +13,8 @@ def make_routing(tokens, top_k, experts, routing, seed):
     gen = torch.Generator().manual_seed(seed)
     if routing == "one_expert":  # every choice on one expert: most experts empty, a long block run
         ids = torch.full((tokens, top_k), experts - 1, dtype=torch.int32)
-    elif routing == "skewed":  # only experts 0 and 1, some choices on other ranks (-1)
-        ids = torch.randint(-1, 2, (tokens, top_k), generator=gen).to(torch.int32)
+    elif routing == "skewed":  # only experts 0 and 1 (0 alone when E=1), some choices on other ranks (-1)
+        ids = torch.randint(-1, min(2, experts), (tokens, top_k), generator=gen).to(torch.int32)
     else:
         ids = torch.randint(-1, experts, (tokens, top_k), generator=gen).to(torch.int32)
     weights = torch.rand(tokens, top_k, generator=gen) + 0.1
@@ -30,6 +30,16 @@ def _args(x, ids, weights, w, limit):
 # differs from the reference, so 1e-4 relative to the output scale. bf16 x: the output is
 # rounded to bf16 (2**-8 relative) and on GPU the hidden activations are bf16 as well.
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+# Small tiles so that the tiny shapes span several programs or K steps on each path (the
+# interpreter's time grows with programs x K steps, so not both at their smallest).
+FORCED_CONFIGS = [
+    None,
+    moe.TileConfig("gemv", 1, 32, 32),
+    moe.TileConfig("gemv", 2, 16, 128, num_warps=2),
+    moe.TileConfig("gemv", 4, 32, 64),
+    moe.TileConfig("dot", 16, 32, 32, num_stages=2),
+]
 
 
 def assert_close_scaled(got, want, dtype):
@@ -48,22 +58,25 @@ def assert_close_scaled(got, want, dtype):
     routing=st.sampled_from(["random", "one_expert", "skewed"]),
     limit=st.sampled_from([None, 0.05]),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    config=st.sampled_from(FORCED_CONFIGS),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_kernel_matches_reference(tokens, experts, top_k, inter, hidden, fmt, routing, limit, dtype, seed):
+def test_kernel_matches_reference(tokens, experts, top_k, inter, hidden, fmt, routing, limit, dtype, config, seed):
+    """Each drawn config forces its path; None runs the selection rule, and then the op as well."""
     w = make_experts(fmt, experts, hidden, inter, seed)
     ids, weights = make_routing(tokens, top_k, experts, routing, seed)
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
     # Poison every pair row; the valid ones must all be overwritten, skipped ones are masked.
     pair_out = torch.full((tokens * top_k, hidden), float("nan"))
-    pairs = moe.fp4_moe_pairs_triton(*_args(x, ids, weights, w, limit), pair_out=pair_out)
+    pairs = moe.fp4_moe_pairs_triton(*_args(x, ids, weights, w, limit), pair_out=pair_out, config=config)
     valid = ((ids >= 0) & (ids < experts)).reshape(-1)
     assert not pairs[valid].isnan().any()
-    got = torch.ops.dsv4.fp4_moe(*_args(x, ids, weights, w, limit))
     want = moe.fp4_moe_reference(*_args(x, ids, weights, w, limit))
-    assert got.dtype == dtype and got.shape == x.shape
-    assert_close_scaled(got, want, dtype)
     assert_close_scaled(moe.combine_pairs(pairs, ids, experts, dtype), want, dtype)
+    if config is None:  # the op takes the same launch; run it once per rule-chosen example only
+        got = torch.ops.dsv4.fp4_moe(*_args(x, ids, weights, w, limit))
+        assert got.dtype == dtype and got.shape == x.shape
+        assert_close_scaled(got, want, dtype)
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
@@ -155,3 +168,68 @@ def test_fake_and_compile():
     compiled = torch.compile(lambda *a: torch.ops.dsv4.fp4_moe(*a) * 2, backend="aot_eager", fullgraph=True)
     got = compiled(*_args(x, ids, weights, w, 1.0))
     assert_close_scaled(got, 2 * moe.fp4_moe_reference(*_args(x, ids, weights, w, 1.0)), torch.float32)
+
+
+@pytest.mark.parametrize("path_config", [moe.TileConfig("gemv", 2, 32, 64), moe.TileConfig("dot", 16, 32, 64)],
+                         ids=["gemv", "dot"])
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_each_path_matches_reference(path_config, fmt):
+    """Both paths regardless of the selection rule: -1 ids, an expert with more rows than one block
+    (skewed), empty experts, swiglu_limit; poisoned outputs; K and I that span several K steps."""
+    experts, hidden, inter, tokens, top_k = 8, 128, 64, 7, 3
+    w = make_experts(fmt, experts, hidden, inter, seed=11)
+    ids, weights = make_routing(tokens, top_k, experts, "skewed", seed=11)
+    ids[0, 0], ids[1, 2] = 7, -1  # one token on a third expert, one choice on another rank
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(12))
+    pair_out = torch.full((tokens * top_k, hidden), float("nan"))
+    pairs = moe.fp4_moe_pairs_triton(*_args(x, ids, weights, w, 0.5), pair_out=pair_out, config=path_config)
+    valid = ((ids >= 0) & (ids < experts)).reshape(-1)
+    assert not pairs[valid].isnan().any()
+    want = moe.fp4_moe_reference(*_args(x, ids, weights, w, 0.5))
+    assert_close_scaled(moe.combine_pairs(pairs, ids, experts, x.dtype), want, torch.float32)
+
+
+def test_gemv_all_tokens_on_one_expert():
+    """Every pair on one expert: one run of blocks, all other experts empty (bf16 x)."""
+    w = make_experts("nvfp4", 4, 64, 32, seed=13)
+    ids, weights = make_routing(9, 2, 4, "one_expert", seed=13)
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(14)).to(torch.bfloat16)
+    pairs = moe.fp4_moe_pairs_triton(*_args(x, ids, weights, w, None), config=moe.TileConfig("gemv", 4, 16, 64))
+    want = moe.fp4_moe_reference(*_args(x, ids, weights, w, None))
+    assert_close_scaled(moe.combine_pairs(pairs, ids, 4, x.dtype), want, torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "tokens, experts, expected",
+    [(1, 256, 1), (8, 256, 1), (64, 256, 2), (256, 256, 8), (512, 256, "dot16"), (4096, 256, "dot64")],
+)
+def test_size_class_rule(tokens, experts, expected):
+    """V4-Flash (k=6): decode and verify take the GEMV path, prefill-sized batches the dot path."""
+    assert moe.size_class(tokens * 6, experts) == expected
+    config = moe.choose_config(tokens * 6, experts)
+    assert config.path == ("dot" if isinstance(expected, str) else "gemv")
+    assert config.block_m == (expected if isinstance(expected, int) else int(expected[3:]))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [(dict(path="mma"), "path"), (dict(block_n=24), "block_n"), (dict(block_k=0), "block_k"),
+     (dict(path="dot", block_m=8), "block_m")],
+)
+def test_tile_config_rejects_bad_values(kwargs, match):
+    base = dict(path="gemv", block_m=1, block_n=16, block_k=64)
+    with pytest.raises(ValueError, match=match):
+        moe.TileConfig(**{**base, **kwargs})
+
+
+def test_word_views(caplog):
+    """The GEMV path's views: word-major activations and int32 weight words from any uint8 view."""
+    a = torch.arange(32.0).reshape(2, 16)
+    assert torch.equal(moe.word_major(a)[1, 3], torch.tensor([19.0, 27.0]))  # a[1, 8j + 3]
+    strided = torch.randint(0, 256, (2, 3, 21), dtype=torch.uint8)[:, :, 1:17]
+    misaligned = torch.randint(0, 256, (97,), dtype=torch.uint8)[1:].view(2, 3, 16)  # contiguous, offset 1
+    for packed in (strided, misaligned):
+        words = moe._as_words(packed)
+        assert words.dtype == torch.int32 and words.shape == (2, 3, 4) and words.data_ptr() % 16 == 0
+        assert torch.equal(words.view(torch.uint8), packed)
+    assert "misaligned" in caplog.text
