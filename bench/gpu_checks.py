@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import dsv4_compile  # noqa: E402
 from dsv4_compile.model.fp4_experts import quantize_experts_  # noqa: E402
 from dsv4_compile.tiny import FAST_COMPILE_OVERRIDES, tiny_model  # noqa: E402
-from helpers import make_prompts, transformers_greedy  # noqa: E402
+from helpers import StepCounter, make_prompts, transformers_greedy  # noqa: E402
 
 LENGTHS = (70, 41, 23)
 NEW = 32
@@ -68,7 +68,7 @@ def compiled_run(dtype: torch.dtype, device: str) -> dict:
     }
 
 
-def bucket_steps(dtype: torch.dtype, device: str, steps: int = 1000) -> dict:
+def bucket_steps(dtype: torch.dtype, device: str, steps_wanted: int = 1000) -> dict:
     """1,000 mixed decode and verify steps (batches 1..4 -> buckets 1, 2, 4; random prompts,
     lengths and drafts) of one optimize() engine with the dsv4 passes under CUDA graph trees:
     recompiles (fail_on_recompile) and cudagraph skips, a few results against the uncompiled step."""
@@ -81,15 +81,7 @@ def bucket_steps(dtype: torch.dtype, device: str, steps: int = 1000) -> dict:
     engine = dsv4_compile.optimize(model, max_batch=4, max_context=512, verify_tokens=3)
     reference = dsv4_compile.optimize(model, max_batch=4, max_context=512, verify_tokens=3, compile=False)
     vocab = model.config.vocab_size
-    calls = 0
-    compiled_step = engine.compiled_step
-
-    def counting_step(*args):
-        nonlocal calls
-        calls += 1
-        return compiled_step(*args)
-
-    engine.compiled_step = counting_step
+    steps = StepCounter(engine)
     counters.clear()
     start = time.perf_counter()
     for batch in (1, 2, 4):  # warm up every (bucket, T) graph
@@ -99,10 +91,10 @@ def bucket_steps(dtype: torch.dtype, device: str, steps: int = 1000) -> dict:
     graphs = counters["stats"]["unique_graphs"]
     rng = random.Random(0)
     matches, compared = 0, 0
-    calls = 0
+    steps.calls = 0
     start = time.perf_counter()
     with torch.compiler.set_stance("fail_on_recompile"):
-        while calls < steps:
+        while steps.calls < steps_wanted:
             batch = rng.randint(1, 4)
             prompts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 200))] for _ in range(batch)]
             new = rng.randint(1, 40)
@@ -113,7 +105,7 @@ def bucket_steps(dtype: torch.dtype, device: str, steps: int = 1000) -> dict:
                 compared += 1
                 matches += got == reference.generate(prompts, new)
     return {
-        "dtype": str(dtype), "steps": calls, "graphs_after_warmup": graphs,
+        "dtype": str(dtype), "steps": steps.calls, "graphs_after_warmup": graphs,
         "graphs_after_steps": counters["stats"]["unique_graphs"],
         "recompiles": counters["stats"]["unique_graphs"] - graphs,
         "cudagraph_skips": counters["inductor"]["cudagraph_skips"],

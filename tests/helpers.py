@@ -89,3 +89,16 @@ def compile_with_probe(fn, pass_module: types.ModuleType, **kwargs):
     compiled = torch.compile(fn, backend="inductor", fullgraph=True,
                              options={"post_grad_custom_post_pass": probe}, **kwargs)
     return compiled, report, probe
+
+
+class StepCounter:
+    """Replaces `engine.compiled_step` with itself and counts the compiled steps run."""
+
+    def __init__(self, engine) -> None:
+        self.calls = 0
+        self._step = engine.compiled_step
+        engine.compiled_step = self
+
+    def __call__(self, *args: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self._step(*args)

@@ -8,6 +8,7 @@ from torch._dynamo.utils import counters
 import dsv4_compile
 from dsv4_compile.engine import batch_bucket
 from dsv4_compile.tiny import tiny_model
+from helpers import StepCounter
 
 STEPS = 1000
 
@@ -25,15 +26,7 @@ def test_mixed_steps_never_recompile():
     # 1,000 CPU steps fast (the dsv4 kernels would run in the Triton interpreter).
     engine = dsv4_compile.optimize(model, max_batch=2, max_context=512, verify_tokens=2, passes=())
     reference = dsv4_compile.optimize(model, max_batch=2, max_context=512, verify_tokens=2, compile=False)
-    calls = 0
-    compiled_step = engine.compiled_step
-
-    def counting_step(*args):
-        nonlocal calls
-        calls += 1
-        return compiled_step(*args)
-
-    engine.compiled_step = counting_step
+    steps = StepCounter(engine)
     for batch in (1, 2):  # warm up every (bucket, T) graph
         engine.generate([[1, 2, 3]] * batch, 2)
         engine.generate([[1, 2, 3]] * batch, 3, draft=lambda tokens: [4, 5])
@@ -41,7 +34,7 @@ def test_mixed_steps_never_recompile():
     rng = random.Random(0)
     checked = 0
     with torch.compiler.set_stance("fail_on_recompile"):
-        while calls < STEPS:
+        while steps.calls < STEPS:
             batch = rng.randint(1, 2)
             prompts = [[rng.randrange(256) for _ in range(rng.randint(1, 90))] for _ in range(batch)]
             new = rng.randint(1, 40)

@@ -238,27 +238,21 @@ def test_combine_adds_no_attention_sized_buffer(monkeypatch):
 
 
 @pytest.mark.usefixtures("fresh_compile")
-def test_one_split_stays_one_op_call():
-    """A short index list gives S = 1: no combine to fuse, the op's own kernel finishes."""
-    op_args, rest = tail_inputs("bf16", seed=2, window=20, extra_len=10)
+@pytest.mark.parametrize("fmt, case, max_inlined", [
+    ("bf16", dict(seed=2, window=20, extra_len=10), None),  # a short index list gives S = 1
+    ("f32", dict(seed=4), 1),  # S > MAX_INLINED_SPLITS: S partial rows read per element
+], ids=["one-split", "too-many-splits"])
+def test_plain_op_call_without_a_combine_to_inline(monkeypatch, fmt, case, max_inlined):
+    """No combine is inlined for S = 1 or S > MAX_INLINED_SPLITS: the op's own kernels finish."""
+    if max_inlined is not None:
+        monkeypatch.setattr(mla_lowering, "MAX_INLINED_SPLITS", max_inlined)
+    op_args, rest = tail_inputs(fmt, **case)
     out, code = compile_tail(op_args, rest)
     body = wrapper_body(code)
     assert "torch.ops.dsv4.sparse_mla.default(" in body and "sparse_mla_partials" not in body
     with torch.no_grad():
-        torch.testing.assert_close(out, attention_tail(*op_args, *rest), **OUT_TOL[torch.bfloat16])
-
-
-@pytest.mark.usefixtures("fresh_compile")
-def test_many_splits_stay_one_op_call(monkeypatch):
-    """Above MAX_INLINED_SPLITS the combine is not inlined (S partial rows per element read):
-    with the cap lowered to 1 the same inputs that split compile to the plain op call."""
-    op_args, rest = tail_inputs("f32", seed=4)
-    monkeypatch.setattr(mla_lowering, "MAX_INLINED_SPLITS", 1)
-    out, code = compile_tail(op_args, rest)
-    body = wrapper_body(code)
-    assert "torch.ops.dsv4.sparse_mla.default(" in body and "sparse_mla_partials" not in body
-    with torch.no_grad():
-        torch.testing.assert_close(out, attention_tail(*op_args, *rest), **OUT_TOL[torch.float32])
+        expected = attention_tail(*op_args, *rest)
+    torch.testing.assert_close(out, expected, **OUT_TOL[expected.dtype])
 
 
 @pytest.mark.usefixtures("fresh_compile")

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 # dsv4_compile before sglang (see tests/test_sglang_plugin.py: transformers' hub-kernels check).
-from dsv4_compile import fp4
 from dsv4_compile.integrations import sglang as plugin
 from dsv4_compile.integrations import sglang_moe
 from dsv4_compile.kernels.fp4_moe import fp4_moe_reference
+from helpers import make_experts
 
 pytest.importorskip("sglang", reason="needs sglang")
 
@@ -228,14 +228,9 @@ def random_checkpoint(fmt, seed, split_global=False):
 
     NVFP4 gate and up share one global scale per expert unless `split_global`.
     """
-    gen = torch.Generator().manual_seed(seed)
-    w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=gen) * 0.1
-    w2 = torch.randn(EXPERTS, HIDDEN, INTER, generator=gen) * 0.1
-    if fmt == "mxfp4":
-        (q13, s13), (q2, s2) = fp4.quantize_mxfp4(w13), fp4.quantize_mxfp4(w2)
-        g13 = g2 = None
-    else:
-        (q13, s13, g13), (q2, s2, g2) = fp4.quantize_nvfp4(w13), fp4.quantize_nvfp4(w2)
+    op_layout = make_experts(fmt, EXPERTS, HIDDEN, INTER, seed)
+    q13, s13, g13 = op_layout["w13"], op_layout["w13_scale"], op_layout["w13_global"]
+    q2, s2, g2 = op_layout["w2"], op_layout["w2_scale"], op_layout["w2_global"]
     ckpt = {}
     for e in range(EXPERTS):
         for shard, rows in (("w1", slice(0, INTER)), ("w3", slice(INTER, 2 * INTER)), ("w2", slice(None))):
@@ -249,7 +244,6 @@ def random_checkpoint(fmt, seed, split_global=False):
                 ckpt[e, shard, "weight_scale"] = s[e, rows]
                 ckpt[e, shard, "weight_scale_2"] = glob * 2 if split_global and shard == "w3" else glob
                 ckpt[e, shard, "input_scale"] = torch.tensor(1.0)
-    op_layout = dict(w13=q13, w13_scale=s13, w2=q2, w2_scale=s2, fmt=fmt, w13_global=g13, w2_global=g2)
     return ckpt, op_layout
 
 
