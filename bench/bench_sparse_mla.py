@@ -20,7 +20,10 @@ import argparse
 import inspect
 import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,6 +34,7 @@ if SMOKE:
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 try:
     from dsv4_compile.kernels import sparse_mla as sm  # noqa: E402
@@ -200,19 +204,53 @@ def _signature_type(value) -> str:
     raise TypeError(type(value))
 
 
-def sm120_shared(launch) -> int:
-    """Cross-compiles one launch for sm_120 and returns its static shared memory in bytes."""
+def compiled_stats(launch, capability: int) -> dict:
+    """Cross-compiles one launch for sm_<capability> (no GPU needed) as a CUDA launch would run it.
+
+    Returns shared memory (bytes, Triton's metadata) and registers / spill bytes a thread (ptxas -v
+    on the kernel's PTX). Launches planned on CPU carry the interpreter's f32 dots; they are
+    compiled with the GPU's bf16 operands. Integer arguments equal to 1 become constexprs and
+    pointers / multiples of 16 get Triton's divisibility hint, as the JIT specialises them.
+    """
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     meta = dict(launch.meta)
     options = {"num_warps": meta.pop("num_warps"), "num_stages": meta.pop("num_stages", 1)}
+    if meta.get("INTERPRETED"):
+        meta.update(INTERPRETED=False, KV_DTYPE=tl.bfloat16, DOT_PRECISION="tf32")
     names = list(inspect.signature(launch.kernel.fn).parameters)
-    signature = {n: _signature_type(v) for n, v in zip(names, launch.args)}
+    signature, attrs = {}, {}
+    for i, (name, value) in enumerate(zip(names, launch.args)):
+        if isinstance(value, int) and not isinstance(value, bool) and value == 1:
+            signature[name], meta[name] = "constexpr", 1
+            continue
+        signature[name] = _signature_type(value)
+        if isinstance(value, torch.Tensor) or (isinstance(value, int) and value % 16 == 0):
+            attrs[(i,)] = [["tt.divisibility", 16]]
     signature.update({n: "constexpr" for n in meta})
-    compiled = triton.compile(ASTSource(fn=launch.kernel, signature=signature, constexprs=meta),
-                              target=GPUTarget("cuda", 120, 32), options=options)
-    return int(compiled.metadata.shared)
+    compiled = triton.compile(ASTSource(fn=launch.kernel, signature=signature, constexprs=meta, attrs=attrs),
+                              target=GPUTarget("cuda", capability, 32), options=options)
+    stats = {"shared": int(compiled.metadata.shared)}
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / (
+        "ptxas-blackwell" if capability >= 100 else "ptxas")
+    arch = f"sm_{capability}a" if capability >= 90 else f"sm_{capability}"
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "k.ptx"
+        ptx.write_text(compiled.asm["ptx"])
+        log = subprocess.run([str(ptxas), "-v", f"--gpu-name={arch}", str(ptx), "-o", str(Path(tmp) / "k.o")],
+                             capture_output=True, text=True, check=True).stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    stats.update(regs=int(regs.group(1)) if regs else -1,
+                 spill_stores=int(spills.group(1)) if spills else -1,
+                 spill_loads=int(spills.group(2)) if spills else -1)
+    return stats
+
+
+def sm120_shared(launch) -> int:
+    """Cross-compiles one launch for sm_120 and returns its static shared memory in bytes."""
+    return compiled_stats(launch, 120)["shared"]
 
 
 def local_shared() -> list[dict]:
