@@ -512,6 +512,16 @@ def _device_facts(device: torch.device) -> tuple[int, int]:
 _TWO_STAGE_64_HEAD_SHARED = 163_968
 
 
+def split_count(programs: int, num_idx_total: int, device: torch.device, num_splits: int | None = None) -> int:
+    """Splits of the index positions for a grid of `programs` (None: about two programs per SM),
+    capped at the SPLIT_TILE tiles of num_idx_total positions."""
+    num_tiles = max(1, triton.cdiv(num_idx_total, SPLIT_TILE))
+    if num_splits is None:
+        sms = _device_facts(device)[0]
+        num_splits = 1 if programs >= sms else min(triton.cdiv(2 * sms, programs), triton.cdiv(num_tiles, 2))
+    return max(1, min(num_splits, num_tiles))
+
+
 def pick_config(batch: int, tokens: int, heads: int, head_dim: int, num_idx_total: int,
                 device: torch.device, num_splits: int | None = None, fp8_rows: bool = False) -> LaunchConfig:
     """The launch config for these shapes; the tile choices below were compiled for sm_90/sm_120.
@@ -523,15 +533,12 @@ def pick_config(batch: int, tokens: int, heads: int, head_dim: int, num_idx_tota
     32 or 64 heads (>= 700 spill bytes a thread) and fits without spills at 16. Small grids split
     the index positions (split-K) so that about two programs run per SM.
     """
-    sms, max_shared = _device_facts(device)
+    max_shared = _device_facts(device)[1]
     block_d = triton.next_power_of_2(head_dim)
     h_block = min(16 if fp8_rows else 64, max(16, triton.next_power_of_2(heads)))  # dot M >= 16
     block_dv = block_d // 2 if h_block * block_d > 32 * 512 else block_d
-    num_tiles = max(1, triton.cdiv(num_idx_total, SPLIT_TILE))
     programs = batch * tokens * triton.cdiv(heads, h_block) * (block_d // block_dv)
-    if num_splits is None:
-        num_splits = 1 if programs >= sms else min(triton.cdiv(2 * sms, programs), triton.cdiv(num_tiles, 2))
-    num_splits = max(1, min(num_splits, num_tiles))
+    num_splits = split_count(programs, num_idx_total, device, num_splits)
     if fp8_rows:
         return LaunchConfig(h_block, block_d, SPLIT_TILE, num_splits, num_warps=8, num_stages=1)
     stages = 1 if block_dv < block_d and max_shared < _TWO_STAGE_64_HEAD_SHARED else 2
