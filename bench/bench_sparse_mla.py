@@ -12,7 +12,7 @@ bytes / 4.8e12 (every distinct KV row of a request read once, q, idx read once, 
 once) and FLOPs / 7.9e14 (4 * Dh per head per selected row). The grid is subsampled (see
 `cases`); torch.compile of the reference only runs on the B=64 cases and the FlashMLA config
 to keep compile time small. Shared memory of every compiled config is recorded, on this GPU and
-cross-compiled for sm_120, and asserted <= 101,376 B. Writes DIR/sparse_mla.json and
+cross-compiled for sm_120 (the config pick_config chooses there), the latter asserted <= 101,376 B. Writes DIR/sparse_mla.json and
 DIR/sparse_mla.md and prints the table last.
 """
 from __future__ import annotations
@@ -291,9 +291,14 @@ def run_case(case: Case, device, smoke: bool, sm120: dict) -> Result:
     fwd = launches[0]
     res.config = {k: fwd.meta[k] for k in ("H_BLOCK", "BLOCK_DV", "BLOCK_N", "num_warps", "num_stages")}
     res.config.update(num_splits=fwd.grid[1], grid=list(fwd.grid))
-    for launch in launches:
+    # the config pick_config chooses on an sm_120 GPU (its shared memory), cross-compiled after the
+    # timings (check_sm120)
+    q, _, _, idx, _, _, eidx, _, _ = args
+    sm120_config = sm.pick_config(*q.shape, idx.shape[2] + (0 if eidx is None else eidx.shape[2]), q.device,
+                                  fp8_rows=case.fmt == "fp8", max_shared=SM120_SHARED_LIMIT)
+    for launch in sm.plan_sparse_mla(*args, out=out, config=sm120_config):
         key = (launch.kernel.fn.__name__, tuple(sorted((k, str(v)) for k, v in launch.meta.items())))
-        sm120.setdefault(key, launch)  # cross-compiled after the timings (check_sm120)
+        sm120.setdefault(key, launch)
     t_kernel, how = graph_timer(kernel, smoke)
     res.kernel_us = t_kernel * 1e6
     res.notes.append(f"timing: {how}")
@@ -457,8 +462,9 @@ def main() -> int:
     table = markdown(results, summary, shared)
     (opts.out / "sparse_mla.md").write_text(table + "\n")
     print(table)
-    too_big = {k: v for k, v in shared.items()
-               if not opts.smoke and (isinstance(v, int) and v > SM120_SHARED_LIMIT or "failed" in str(v))}
+    # the limit is sm_120's: this GPU's own configs (2 stages where it has the room) may exceed it
+    too_big = {k: v for k, v in shared.items() if not opts.smoke and k.startswith("sm_120")
+               and (isinstance(v, int) and v > SM120_SHARED_LIMIT or "failed" in str(v))}
     if too_big:
         print(f"SHARED MEMORY CHECK FAILED: {too_big}", file=sys.stderr)
         return 1

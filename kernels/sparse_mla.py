@@ -523,8 +523,12 @@ def split_count(programs: int, num_idx_total: int, device: torch.device, num_spl
 
 
 def pick_config(batch: int, tokens: int, heads: int, head_dim: int, num_idx_total: int,
-                device: torch.device, num_splits: int | None = None, fp8_rows: bool = False) -> LaunchConfig:
+                device: torch.device, num_splits: int | None = None, fp8_rows: bool = False,
+                max_shared: int | None = None) -> LaunchConfig:
     """The launch config for these shapes; the tile choices below were compiled for sm_90/sm_120.
+
+    max_shared: the shared memory bytes a block may use (None: what `device` offers), which sets
+    the bf16 pipeline depth.
 
     bf16 rows: all heads of a token up to 64 share each gathered tile (MQA: one read for all). At
     Dh 512 a [64, 512] f32 accumulator plus the QK operands would spill, so 64-head programs split
@@ -533,7 +537,7 @@ def pick_config(batch: int, tokens: int, heads: int, head_dim: int, num_idx_tota
     32 or 64 heads (>= 700 spill bytes a thread) and fits without spills at 16. Small grids split
     the index positions (split-K) so that about two programs run per SM.
     """
-    max_shared = _device_facts(device)[1]
+    max_shared = max_shared or _device_facts(device)[1]
     block_d = triton.next_power_of_2(head_dim)
     h_block = min(16 if fp8_rows else 64, max(16, triton.next_power_of_2(heads)))  # dot M >= 16
     block_dv = block_d // 2 if h_block * block_d > 32 * 512 else block_d
