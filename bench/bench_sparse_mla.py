@@ -12,8 +12,9 @@ bytes / 4.8e12 (every distinct KV row of a request read once, q, idx read once, 
 once) and FLOPs / 7.9e14 (4 * Dh per head per selected row). The grid is subsampled (see
 `cases`); torch.compile of the reference only runs on the B=64 cases and the FlashMLA config
 to keep compile time small. Shared memory of every compiled config is recorded, on this GPU and
-cross-compiled for sm_120 (the config pick_config chooses there), the latter asserted <= 101,376 B. Writes DIR/sparse_mla.json and
-DIR/sparse_mla.md and prints the table last.
+cross-compiled for sm_120 (the config pick_config chooses there), the latter asserted <= 101,376 B.
+Writes DIR/sparse_mla.json and DIR/sparse_mla.md and prints the table last. --sweep instead checks
+and times SWEEP_CONFIGS at B=64 (DIR/sparse_mla_sweep.md).
 """
 from __future__ import annotations
 
