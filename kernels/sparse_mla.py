@@ -586,9 +586,6 @@ def plan_sparse_mla(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx, s
     if partials is not None:  # exactly the caller's S (pick_config caps S at the tile count)
         if out is not None:
             raise ValueError("plan_sparse_mla: give out or partials, not both")
-        if cfg.block_n != SPLIT_TILE:
-            raise ValueError(f"plan_sparse_mla: partials follow split_of_positions, which needs "
-                             f"config.block_n == {SPLIT_TILE}; got {cfg.block_n}")
         cfg = replace(cfg, num_splits=partials[1].shape[3])
     block_d = triton.next_power_of_2(head_dim)
     block_dv = cfg.block_dv or block_d

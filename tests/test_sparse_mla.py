@@ -276,11 +276,12 @@ def test_forced_config_matches_reference(cfg, fmt, layer, extra_len, num_splits)
     assert torch.equal(got[1, 2], torch.zeros_like(got[1, 2]))
 
 
-@pytest.mark.parametrize("cfg", FORCED[:2], ids=lambda c: "h{}dv{}n{}w{}s{}".format(*c))
+@pytest.mark.parametrize("cfg", FORCED[:2] + FORCED[-1:], ids=lambda c: "h{}dv{}n{}w{}s{}".format(*c))
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
 def test_forced_config_partials_match_reference(cfg, fmt):
     """The split-K pass alone (dsv4::sparse_mla_partials' contract) under each config: every
-    value-column block writes its columns, one writes the lse. f32 partials of bf16-exact rows
+    value-column block writes its columns, one writes the lse; splits own whole SPLIT_TILE runs
+    of positions whatever block_n is (64 here too). f32 partials of bf16-exact rows
     with f32 dots on CPU: atol = rtol = 1e-4 (summation order and exp2 only)."""
     h_block, dv_blocks, block_n, warps, stages = cfg
     args = forced_inputs(7, fmt, "csa", h_block + 3, 40)
