@@ -3,6 +3,7 @@
     pip install --no-deps --no-build-isolation -e .       # once, so dsv4_compile.kernels imports
     python bench/bench_sparse_mla.py --out DIR            # H200: real sizes, about 3 minutes
     python bench/bench_sparse_mla.py --out DIR --smoke    # CPU: tiny sizes, TRITON_INTERPRET=1
+    python bench/bench_sparse_mla.py --out DIR --sweep    # H200: the candidate tile configs, < 3 minutes
 
 For each case: correctness first (kernel vs reference at that size, random data), then the median
 time of the eager reference, torch.compile(reference) and the Triton kernel, each replayed from a
@@ -11,8 +12,9 @@ bytes / 4.8e12 (every distinct KV row of a request read once, q, idx read once, 
 once) and FLOPs / 7.9e14 (4 * Dh per head per selected row). The grid is subsampled (see
 `cases`); torch.compile of the reference only runs on the B=64 cases and the FlashMLA config
 to keep compile time small. Shared memory of every compiled config is recorded, on this GPU and
-cross-compiled for sm_120, and asserted <= 101,376 B. Writes DIR/sparse_mla.json and
-DIR/sparse_mla.md and prints the table last.
+cross-compiled for sm_120 (the config pick_config chooses there), the latter asserted <= 101,376 B.
+Writes DIR/sparse_mla.json and DIR/sparse_mla.md and prints the table last. --sweep instead checks
+and times SWEEP_CONFIGS at B=64 (DIR/sparse_mla_sweep.md).
 """
 from __future__ import annotations
 
@@ -20,7 +22,10 @@ import argparse
 import inspect
 import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,6 +36,7 @@ if SMOKE:
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 try:
     from dsv4_compile.kernels import sparse_mla as sm  # noqa: E402
@@ -200,19 +206,53 @@ def _signature_type(value) -> str:
     raise TypeError(type(value))
 
 
-def sm120_shared(launch) -> int:
-    """Cross-compiles one launch for sm_120 and returns its static shared memory in bytes."""
+def compiled_stats(launch, capability: int) -> dict:
+    """Cross-compiles one launch for sm_<capability> (no GPU needed) as a CUDA launch would run it.
+
+    Returns shared memory (bytes, Triton's metadata) and registers / spill bytes a thread (ptxas -v
+    on the kernel's PTX). Launches planned on CPU carry the interpreter's f32 dots; they are
+    compiled with the GPU's bf16 operands. Integer arguments equal to 1 become constexprs and
+    pointers / multiples of 16 get Triton's divisibility hint, as the JIT specialises them.
+    """
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     meta = dict(launch.meta)
     options = {"num_warps": meta.pop("num_warps"), "num_stages": meta.pop("num_stages", 1)}
+    if meta.get("INTERPRETED"):
+        meta.update(INTERPRETED=False, KV_DTYPE=tl.bfloat16, DOT_PRECISION="tf32")
     names = list(inspect.signature(launch.kernel.fn).parameters)
-    signature = {n: _signature_type(v) for n, v in zip(names, launch.args)}
+    signature, attrs = {}, {}
+    for i, (name, value) in enumerate(zip(names, launch.args)):
+        if isinstance(value, int) and not isinstance(value, bool) and value == 1:
+            signature[name], meta[name] = "constexpr", 1
+            continue
+        signature[name] = _signature_type(value)
+        if isinstance(value, torch.Tensor) or (isinstance(value, int) and value % 16 == 0):
+            attrs[(i,)] = [["tt.divisibility", 16]]
     signature.update({n: "constexpr" for n in meta})
-    compiled = triton.compile(ASTSource(fn=launch.kernel, signature=signature, constexprs=meta),
-                              target=GPUTarget("cuda", 120, 32), options=options)
-    return int(compiled.metadata.shared)
+    compiled = triton.compile(ASTSource(fn=launch.kernel, signature=signature, constexprs=meta, attrs=attrs),
+                              target=GPUTarget("cuda", capability, 32), options=options)
+    stats = {"shared": int(compiled.metadata.shared)}
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / (
+        "ptxas-blackwell" if capability >= 100 else "ptxas")
+    arch = f"sm_{capability}a" if capability >= 90 else f"sm_{capability}"
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "k.ptx"
+        ptx.write_text(compiled.asm["ptx"])
+        log = subprocess.run([str(ptxas), "-v", f"--gpu-name={arch}", str(ptx), "-o", str(Path(tmp) / "k.o")],
+                             capture_output=True, text=True, check=True).stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    stats.update(regs=int(regs.group(1)) if regs else -1,
+                 spill_stores=int(spills.group(1)) if spills else -1,
+                 spill_loads=int(spills.group(2)) if spills else -1)
+    return stats
+
+
+def sm120_shared(launch) -> int:
+    """Cross-compiles one launch for sm_120 and returns its static shared memory in bytes."""
+    return compiled_stats(launch, 120)["shared"]
 
 
 def local_shared() -> list[dict]:
@@ -250,11 +290,16 @@ def run_case(case: Case, device, smoke: bool, sm120: dict) -> Result:
     out = torch.empty_like(args[0])
     launches = sm.plan_sparse_mla(*args, out=out)
     fwd = launches[0]
-    res.config = {k: fwd.meta[k] for k in ("T_BLOCK", "H_BLOCK", "BLOCK_N", "num_warps")}
+    res.config = {k: fwd.meta[k] for k in ("H_BLOCK", "BLOCK_DV", "BLOCK_N", "num_warps", "num_stages")}
     res.config.update(num_splits=fwd.grid[1], grid=list(fwd.grid))
-    for launch in launches:
+    # the config pick_config chooses on an sm_120 GPU (its shared memory), cross-compiled after the
+    # timings (check_sm120)
+    q, _, _, idx, _, _, eidx, _, _ = args
+    sm120_config = sm.pick_config(*q.shape, idx.shape[2] + (0 if eidx is None else eidx.shape[2]), q.device,
+                                  fp8_rows=case.fmt == "fp8", max_shared=SM120_SHARED_LIMIT)
+    for launch in sm.plan_sparse_mla(*args, out=out, config=sm120_config):
         key = (launch.kernel.fn.__name__, tuple(sorted((k, str(v)) for k, v in launch.meta.items())))
-        sm120.setdefault(key, launch)  # cross-compiled after the timings (check_sm120)
+        sm120.setdefault(key, launch)
     t_kernel, how = graph_timer(kernel, smoke)
     res.kernel_us = t_kernel * 1e6
     res.notes.append(f"timing: {how}")
@@ -286,7 +331,7 @@ def check_sm120(launches: dict, smoke: bool, budget_s: float) -> dict:
     return out
 
 
-def markdown(results: list[Result], summary: dict, shared: dict) -> str:
+def markdown(results: list[Result], summary: dict, shared: dict, local: dict) -> str:
     lines = [
         f"# sparse_mla bench ({summary['device']}, torch {torch.__version__}, triton {triton.__version__})",
         "",
@@ -296,51 +341,100 @@ def markdown(results: list[Result], summary: dict, shared: dict) -> str:
     ]
     for r in results:
         c = r.case
-        cfg = f"t{r.config['T_BLOCK']}h{r.config['H_BLOCK']}n{r.config['BLOCK_N']}s{r.config['num_splits']}"
+        cfg = (f"h{r.config['H_BLOCK']}dv{r.config['BLOCK_DV']}n{r.config['BLOCK_N']}w{r.config['num_warps']}"
+               f"st{r.config['num_stages']}s{r.config['num_splits']}")
         lines.append(
             f"| {c['name']} | {c['batch']} | {c['tokens']} | {c['heads']} | {c['extra_len']} | {r.kernel_us:.1f} | "
             f"{r.eager_us:.1f} | {r.compiled_us:.1f} | {r.floor_us:.2f} | {r.floor_fraction:.2f} | {r.tflops:.1f} | "
             f"{r.eager_us / r.kernel_us:.1f}x | {r.max_abs_err:.3g}{'' if r.correct else ' FAIL'} | {cfg} |")
     lines += ["", "## Summary", ""]
     lines += [f"- {k}: {v}" for k, v in summary.items()]
-    lines += ["", "## Shared memory per compiled config (limit 101,376 B)", ""]
+    lines += ["", "## Shared memory per compiled config, sm_120's choice (limit 101,376 B)", ""]
     lines += [f"- {k}: {v}" for k, v in shared.items()]
+    lines += ["", "## Shared memory of the configs run on this GPU", ""]
+    lines += [f"- {k}: {v}" for k, v in local.items()]
     return "\n".join(lines)
 
 
-def tune(device) -> None:
-    """Times a few tile configs at B=64 (a development aid; prints one line per config)."""
-    picks = [Case("csa-bf16", 64, 1, 64, "csa", "bf16", 512), Case("csa-fp8", 64, 1, 64, "csa", "fp8", 512),
-             Case("csa-bf16", 64, 4, 64, "csa", "bf16", 512), Case("hca-bf16", 64, 4, 64, "hca", "bf16", 1024)]
-    for case in picks:
-        args = make_inputs(case, device)
-        base = sm.pick_config(case.batch, case.tokens, case.heads, case.head_dim, case.window + case.extra_len,
-                              device)
-        want = sm.sparse_mla_reference(*args)
-        for block_n, stages, warps in ((16, 1, 8), (16, 2, 8), (32, 1, 8), (32, 2, 8), (32, 2, 4)):
-            cfg = sm.LaunchConfig(base.t_block, base.h_block, block_n, base.num_splits, warps, stages)
-            try:
-                run = lambda: sm.sparse_mla_triton(*args, config=cfg, validate=False)  # noqa: E731
-                err = float((run().float() - want.float()).abs().max())
-                print(f"{case.name} B={case.batch} T={case.tokens} {cfg}: {graph_timer(run, False)[0] * 1e6:.1f} us"
-                      f" err {err:.3g}", flush=True)
-            except Exception as exc:  # noqa: BLE001 - a config that does not compile is reported
-                print(f"{case.name} T={case.tokens} {cfg}: failed {exc!r:.200}", flush=True)
+# (rows, h_block, block_dv, block_n, num_warps, num_stages): the defaults of pick_config (bf16: 2
+# stages where the GPU offers >= 163,968 B of shared memory, as sm_90 does, else 1; FP8: 16 heads)
+# and neighbours; bf16 h64/st2 and h64/dv128 exceed sm_120's 101,376 B, FP8 h64 spills.
+SWEEP_CONFIGS = [
+    ("bf16", 64, 256, 32, 8, 2), ("bf16", 64, 256, 32, 8, 1), ("bf16", 64, 128, 32, 8, 2),
+    ("bf16", 32, 512, 32, 8, 2), ("bf16", 16, 512, 32, 4, 2),
+    ("fp8", 16, 512, 32, 8, 1), ("fp8", 16, 512, 16, 8, 2), ("fp8", 64, 256, 32, 8, 1),
+]
+
+
+def sweep(device, out_dir: Path, smoke: bool) -> int:
+    """Each SWEEP_CONFIGS entry at B=64, H=64, T in {1, 4}, CSA and HCA, on its row format: checked
+    against the reference, then timed (CUDA-graph replays). Prints and writes DIR/sparse_mla_sweep.md
+    with time, floor fraction, this GPU's registers / spills / shared memory and sm_120's shared
+    memory (cross-compiled). Returns 2 when a config disagrees with the reference. smoke: B=1 and
+    short lists in the interpreter (wall-clock times; no local registers)."""
+    lines = ["| rows | layer | T | config (h, dv, n, warps, stages, splits) | us | floor us | floor frac | "
+             "regs | spill B | shared B | sm_120 shared B | sm_120 regs / spill B | max err |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    failed, start = False, time.perf_counter()
+    sm120: dict = {}
+    for fmt, h_block, block_dv, block_n, warps, stages in SWEEP_CONFIGS:
+        for layer, extra_len in (("csa", 512), ("hca", 1024)):
+            for tokens in (1, 4):
+                case = Case(f"{layer}-{fmt}", 1 if smoke else 64, tokens, 64, layer, fmt,
+                            extra_len // 16 if smoke else extra_len, window=16 if smoke else WINDOW)
+                args = make_inputs(case, device)
+                programs = case.batch * tokens * triton.cdiv(case.heads, h_block) * (case.head_dim // block_dv)
+                splits = sm.split_count(programs, case.window + case.extra_len, device)
+                cfg = sm.LaunchConfig(h_block, block_dv, block_n, splits, warps, stages)
+                out = torch.empty_like(args[0])
+                launches = sm.plan_sparse_mla(*args, out=out, config=cfg)
+                compiled = [launch.kernel[launch.grid](*launch.args, **launch.meta) for launch in launches][0]
+                want = sm.sparse_mla_reference(*args)
+                err = float((out.float() - want.float()).abs().max())
+                ok = bool(torch.allclose(out.float(), want.float(), atol=4e-2, rtol=2e-2))  # as run_case
+                failed |= not ok
+
+                def run():
+                    for launch in launches:
+                        launch.kernel[launch.grid](*launch.args, **launch.meta)
+
+                seconds = graph_timer(run, smoke)[0]
+                nbytes, flops = floors(case, args)
+                floor_us = max(nbytes / HBM_BYTES_PER_S, flops / BF16_FLOPS_PER_S) * 1e6
+                key = (fmt, h_block, block_dv, block_n, warps, stages)  # T and splits leave smem alone
+                if key not in sm120 and smoke:
+                    sm120[key] = ("not checked (interpreter)", "")
+                elif key not in sm120:
+                    try:
+                        stats = compiled_stats(launches[0], 120)
+                        sm120[key] = (stats["shared"], f"{stats['regs']} / {stats['spill_stores']}")
+                    except Exception as exc:  # noqa: BLE001 - recorded in the table
+                        sm120[key] = (f"failed {exc!r:.60}", "")
+                line = (f"| {fmt} | {layer} | {tokens} | {h_block}, {block_dv}, {block_n}, {warps}, {stages}, "
+                        f"{splits} | {seconds * 1e6:.1f} | {floor_us:.1f} | {floor_us / (seconds * 1e6):.3f} | "
+                        f"{getattr(compiled, 'n_regs', '-')} | {getattr(compiled, 'n_spills', '-')} | "
+                        f"{compiled.metadata.shared if compiled else '-'} | {sm120[key][0]} | "
+                        f"{sm120[key][1]} | {err:.3g}{'' if ok else ' FAIL'} |")
+                lines.append(line)
+                print(line, flush=True)
+    (out_dir / "sparse_mla_sweep.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines) + f"\nsweep seconds: {time.perf_counter() - start:.0f}")
+    return 2 if failed else 0
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU with TRITON_INTERPRET=1")
-    parser.add_argument("--tune", action="store_true", help="time a few tile configs at B=64, then stop")
+    parser.add_argument("--sweep", action="store_true",
+                        help="check and time the candidate tile configs (SWEEP_CONFIGS) at B=64, then stop")
     parser.add_argument("--sm120-budget", type=float, default=60.0,
                         help="seconds for cross-compiling the configs for sm_120 (the rest are listed unchecked)")
     opts = parser.parse_args()
     opts.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cpu" if opts.smoke else "cuda")
-    if opts.tune:
-        tune(device)
-        return 0
+    if opts.sweep:
+        return sweep(device, opts.out, opts.smoke)
     start = time.perf_counter()
     launches: dict = {}
     results = [run_case(case, device, opts.smoke, launches) for case in cases(opts.smoke)]
@@ -362,13 +456,15 @@ def main() -> int:
         for r in find(name="flashmla-cfg"):
             summary[f"FlashMLA config {r.case['fmt']}: our TFLOPS (FlashMLA: 410 on H800)"] = round(r.tflops, 1)
     shared = {f"sm_120 {name} {dict(meta)}": v for (name, meta), v in sm120.items()}
-    if not opts.smoke:
-        for i, entry in enumerate(local_shared()):
-            shared[f"{torch.cuda.get_device_name()} #{i} {entry['kernel']} warps={entry['num_warps']}"] = entry["shared"]
+    # this GPU's own configs are kept apart: they may use more than sm_120 has (2 stages on sm_90)
+    local = {} if opts.smoke else {
+        f"{torch.cuda.get_device_name()} #{i} {entry['kernel']} warps={entry['num_warps']}": entry["shared"]
+        for i, entry in enumerate(local_shared())}
     summary["bench seconds"] = round(time.perf_counter() - start, 1)
     (opts.out / "sparse_mla.json").write_text(json.dumps(
-        dict(summary=summary, shared=shared, results=[asdict(r) for r in results]), indent=1, default=str))
-    table = markdown(results, summary, shared)
+        dict(summary=summary, shared=shared, local_shared=local, results=[asdict(r) for r in results]),
+        indent=1, default=str))
+    table = markdown(results, summary, shared, local)
     (opts.out / "sparse_mla.md").write_text(table + "\n")
     print(table)
     too_big = {k: v for k, v in shared.items()

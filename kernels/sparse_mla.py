@@ -5,16 +5,17 @@ sliding window) and optionally of an extra pool (c4 top-k or all c128 entries) c
 lists, with -1 meaning "skip". Rows are bf16/f32, or FP8 rows (e4m3 nope with one ue8m0 exponent
 per 64 dims, then the rope dims as bf16 bytes).
 
-The Triton kernel keeps the T query tokens of a request together: a program owns T_BLOCK tokens x
-H_BLOCK heads of one request and loads each KV tile once for all of them, at the row
-u[j] = max_t idx[b, t, j]; a token whose index differs from u[j] at position j (CSA top-k lists)
-gets an extra online-softmax step over a masked load of only those lanes (masked lanes cost no
-memory traffic, but each such step costs a full M-row dot). The tile loop stops after the last
-tile holding a selected row of the program's tokens (HCA lists have -1 tails). For small grids
-the index positions are split across programs (split-K): each split writes its normalised partial
-output and log-sum-exp (`dsv4::sparse_mla_partials`, whose reference is the spec of the split), and
-a combine kernel merges them and adds the sink. Head blocks of one request each read the request's
-tiles (the later ones from L2).
+The Triton kernel is MQA-shaped: a program owns up to 64 heads of one query token (the M dim of
+both dots), gathers each tile of BLOCK_N selected rows once for all of them and uses the same
+gathered rows for QK and PV (K == V). At Dh 512 with 64 heads the value columns are split in
+halves over two programs (each recomputes QK over all dims; the second gather hits L2), so the
+f32 accumulator is [64, 256]. Each token walks its own index list, so CSA verify tokens with
+different top-k lists cost no extra dots; the T tokens of a request run in adjacent programs, so
+rows they share come from L2. The tile loop stops after the token's last selected position
+(HCA lists have -1 tails). For small grids the index positions are split across programs
+(split-K): each split writes its normalised partial output and log-sum-exp
+(`dsv4::sparse_mla_partials`, whose reference is the spec of the split), and a combine kernel
+merges them and adds the sink.
 
 Out-of-range indices (idx < 0 or idx >= number of rows of the pool) are treated as skip by both
 the kernel and the reference: they are never read, and no host sync is needed to validate them.
@@ -256,26 +257,30 @@ def validate_sparse_mla_inputs(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, e
 
 
 @triton.jit
-def _load_rows(kv_ptr, rope_ptr, scale_ptr, rows, row_ok, offs_d,
+def _load_rows(kv_ptr, rope_ptr, scale_ptr, rows, row_ok, col0,
                stride_row, stride_col, stride_rope_row, stride_scale_row,
                HEAD_DIM: tl.constexpr, NOPE: tl.constexpr, FP8: tl.constexpr, OUT_DTYPE: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Rows `rows` [BN] (int64) of a pool -> [BN, BLOCK_D] in OUT_DTYPE; lanes not row_ok are 0 and unread."""
+               BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Columns [col0, col0 + BLOCK_W) of rows `rows` [BN] (int64) of a pool -> [BN, BLOCK_W] OUT_DTYPE.
+
+    Lanes not row_ok (and columns >= HEAD_DIM) are 0 and unread. FP8 rows need col0 % 64 == 0.
+    """
     rows2 = rows[:, None]
-    d2 = offs_d[None, :]
+    d2 = col0 + tl.arange(0, BLOCK_W)[None, :]
     if FP8:
         nope_mask = row_ok[:, None] & (d2 < NOPE)
         e4m3 = tl.load(kv_ptr + rows2 * stride_row + d2, mask=nope_mask, other=0.0)
-        # one exponent per 64 dims: load [BN, BLOCK_D/64] and broadcast, not one load per element
-        groups = tl.arange(0, BLOCK_D // 64)
+        # one exponent per 64 dims: load [BN, BLOCK_W/64] and broadcast, not one load per element
+        groups = col0 // 64 + tl.arange(0, BLOCK_W // 64)
         exps = tl.load(scale_ptr + rows2 * stride_scale_row + groups[None, :],
                        mask=row_ok[:, None] & (groups[None, :] < NOPE // 64), other=127)
-        mult = tl.exp2(exps.to(tl.float32) - 127.0)
-        mult = tl.reshape(tl.broadcast_to(mult[:, :, None], (BLOCK_N, BLOCK_D // 64, 64)), (BLOCK_N, BLOCK_D))
-        nope = e4m3.to(tl.float32) * mult
+        # e4m3 (4 significant bits) times a power of two is exact in bf16: no f32 tile is needed
+        mult = tl.exp2(exps.to(tl.float32) - 127.0).to(OUT_DTYPE)
+        mult = tl.reshape(tl.broadcast_to(mult[:, :, None], (BLOCK_N, BLOCK_W // 64, 64)), (BLOCK_N, BLOCK_W))
+        nope = e4m3.to(OUT_DTYPE) * mult
         rope_mask = row_ok[:, None] & (d2 >= NOPE) & (d2 < HEAD_DIM)
         rope = tl.load(rope_ptr + rows2 * stride_rope_row + (d2 - NOPE), mask=rope_mask, other=0.0)
-        vals = tl.where(d2 < NOPE, nope, rope.to(tl.float32))
+        vals = tl.where(d2 < NOPE, nope, rope.to(OUT_DTYPE))
     else:
         vals = tl.load(kv_ptr + rows2 * stride_row + d2 * stride_col,
                        mask=row_ok[:, None] & (d2 < HEAD_DIM), other=0.0)
@@ -283,93 +288,72 @@ def _load_rows(kv_ptr, rope_ptr, scale_ptr, rows, row_ok, offs_d,
 
 
 @triton.jit
-def _online_softmax_step(q, m_i, l_i, acc, k, use, qk_scale_log2,
-                         KV_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One flash step: rows of q against the tile k [BN, D], lanes `use` [M, BN] only (log2 domain)."""
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-    s = tl.where(use, s * qk_scale_log2, float("-inf"))
+def _attend_tile(q, m_i, l_i, acc, start, pos_hi, col0,
+                 kv_ptr, rope_ptr, scale_ptr, stride_row, stride_col, stride_rope_row, stride_scale_row,
+                 idx_ptr, stride_ik, num_rows, qk_scale_log2,
+                 HEAD_DIM: tl.constexpr, NOPE: tl.constexpr, FP8: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                 KV_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One online-softmax step of the program's heads over index positions [start, start + BN).
+
+    The gathered rows serve both dots (K == V); with BLOCK_DV < BLOCK_D the PV dot takes only the
+    program's value columns, re-read from the same rows (an L1/L2 hit).
+    """
+    offs_n = start + tl.arange(0, BLOCK_N)
+    rows = tl.load(idx_ptr + offs_n * stride_ik, mask=offs_n < pos_hi, other=-1)
+    ok = (rows >= 0) & (rows < num_rows)  # -1 and out of range: skipped, never read
+    rows = rows.to(tl.int64)
+    k = _load_rows(kv_ptr, rope_ptr, scale_ptr, rows, ok, 0, stride_row, stride_col, stride_rope_row,
+                   stride_scale_row, HEAD_DIM, NOPE, FP8, KV_DTYPE, BLOCK_N, BLOCK_D)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [H_BLOCK, BN]
+    s = tl.where(ok[None, :], s * qk_scale_log2, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(KV_DTYPE), k, input_precision=DOT_PRECISION)
+    if BLOCK_DV == BLOCK_D:
+        v = k
+    else:
+        v = _load_rows(kv_ptr, rope_ptr, scale_ptr, rows, ok, col0, stride_row, stride_col, stride_rope_row,
+                       stride_scale_row, HEAD_DIM, NOPE, FP8, KV_DTYPE, BLOCK_N, BLOCK_DV)
+    acc = acc * alpha[:, None] + tl.dot(p.to(KV_DTYPE), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
 @triton.jit
-def _attend_tile(q, m_i, l_i, acc, tile, row_ok, tok, offs_t, t_base, offs_d,
+def _attend_pool(q, m_i, l_i, acc, pos_lo, pos_hi, col0,
                  kv_ptr, rope_ptr, scale_ptr, stride_row, stride_col, stride_rope_row, stride_scale_row,
-                 idx_ptr, stride_it, stride_ik, num_rows, num_idx, T, qk_scale_log2,
-                 HEAD_DIM: tl.constexpr, NOPE: tl.constexpr, FP8: tl.constexpr,
-                 T_BLOCK: tl.constexpr, H_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                 KV_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Index positions [tile*BN, tile*BN + BN) of one pool for the program's T_BLOCK x H_BLOCK rows."""
-    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < num_idx
-    idx_tok = tl.load(idx_ptr + offs_t[:, None] * stride_it + offs_n[None, :] * stride_ik,
-                      mask=(offs_t < T)[:, None] & n_ok[None, :], other=-1)
-    idx_tok = tl.where((idx_tok >= 0) & (idx_tok < num_rows), idx_tok, -1)  # out of range = skip
-    shared_row = tl.max(idx_tok, axis=0)  # [BN]: loaded once for every token that selects it
-    shared_tok = (idx_tok == shared_row[None, :]) & (idx_tok >= 0)
-    fix_tok = (idx_tok >= 0) & ~shared_tok  # a token whose row differs from the shared one
-    shared_m = tl.reshape(tl.broadcast_to(shared_tok[:, None, :], (T_BLOCK, H_BLOCK, BLOCK_N)),
-                          (T_BLOCK * H_BLOCK, BLOCK_N)) & row_ok[:, None]
-    k = _load_rows(kv_ptr, rope_ptr, scale_ptr, shared_row.to(tl.int64), shared_row >= 0, offs_d,
-                   stride_row, stride_col, stride_rope_row, stride_scale_row, HEAD_DIM, NOPE, FP8, KV_DTYPE,
-                   BLOCK_N, BLOCK_D)
-    m_i, l_i, acc = _online_softmax_step(q, m_i, l_i, acc, k, shared_m, qk_scale_log2, KV_DTYPE, DOT_PRECISION)
-    if tl.max(tl.max(fix_tok.to(tl.int32), axis=1), axis=0) > 0:
-        for t in tl.static_range(T_BLOCK):
-            mine = offs_t == t_base + t
-            rows_t = tl.sum(tl.where(mine[:, None], idx_tok, 0), axis=0)
-            fix_t = tl.max(tl.where(mine[:, None], fix_tok, False).to(tl.int32), axis=0) > 0
-            if tl.max(fix_t.to(tl.int32), axis=0) > 0:
-                k_t = _load_rows(kv_ptr, rope_ptr, scale_ptr, rows_t.to(tl.int64), fix_t, offs_d,
-                                 stride_row, stride_col, stride_rope_row, stride_scale_row,
-                                 HEAD_DIM, NOPE, FP8, KV_DTYPE, BLOCK_N, BLOCK_D)
-                use = (tok == t_base + t)[:, None] & fix_t[None, :] & row_ok[:, None]
-                m_i, l_i, acc = _online_softmax_step(q, m_i, l_i, acc, k_t, use, qk_scale_log2,
-                                                     KV_DTYPE, DOT_PRECISION)
-    return m_i, l_i, acc
-
-
-@triton.jit
-def _attend_pool(q, m_i, l_i, acc, row_ok, tok, offs_t, t_base, offs_d,
-                 kv_ptr, rope_ptr, scale_ptr, stride_row, stride_col, stride_rope_row, stride_scale_row,
-                 idx_ptr, stride_it, stride_ik, num_rows, num_idx, tile_lo, tile_hi, T, qk_scale_log2,
-                 HEAD_DIM: tl.constexpr, NOPE: tl.constexpr, FP8: tl.constexpr,
-                 T_BLOCK: tl.constexpr, H_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_K: tl.constexpr,
+                 idx_ptr, stride_ik, num_rows, num_idx, qk_scale_log2,
+                 HEAD_DIM: tl.constexpr, NOPE: tl.constexpr, FP8: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_K: tl.constexpr,
                  KV_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
                  NUM_STAGES: tl.constexpr):
-    """Online softmax of the program's rows over tiles [tile_lo, tile_hi) of one pool.
+    """Online softmax over index positions [pos_lo, pos_hi) of one token's list in one pool.
 
-    The loop stops after the last tile holding a selected row of these tokens (HCA lists have
-    long -1 tails); inside, lanes with -1 are masked and cost no memory traffic.
+    The loop stops after the token's last selected position (HCA lists have long -1 tails);
+    inside, lanes with -1 are masked and cost no memory traffic.
     """
     offs_k = tl.arange(0, BLOCK_K)
-    all_idx = tl.load(idx_ptr + offs_t[:, None] * stride_it + offs_k[None, :] * stride_ik,
-                      mask=(offs_t < T)[:, None] & (offs_k < num_idx)[None, :], other=-1)
-    used = (all_idx >= 0) & (all_idx < num_rows)
-    last = tl.max(tl.max(tl.where(used, offs_k[None, :], -1), axis=1), axis=0)
-    tile_hi = tl.minimum(tile_hi, (last + BLOCK_N) // BLOCK_N)
+    all_idx = tl.load(idx_ptr + offs_k * stride_ik, mask=offs_k < num_idx, other=-1)
+    last = tl.max(tl.where((all_idx >= 0) & (all_idx < num_rows), offs_k, -1), axis=0)
+    pos_hi = tl.minimum(pos_hi, last + 1)
     if INTERPRETED:  # the interpreter (numpy >= 2.4) cannot take range() bounds from its scalars
-        tile = tile_lo
-        while tile < tile_hi:
+        start = pos_lo
+        while start < pos_hi:
             m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, tile, row_ok, tok, offs_t, t_base, offs_d,
+                q, m_i, l_i, acc, start, pos_hi, col0,
                 kv_ptr, rope_ptr, scale_ptr, stride_row, stride_col, stride_rope_row, stride_scale_row,
-                idx_ptr, stride_it, stride_ik, num_rows, num_idx, T, qk_scale_log2,
-                HEAD_DIM, NOPE, FP8, T_BLOCK, H_BLOCK, BLOCK_N, BLOCK_D, KV_DTYPE, DOT_PRECISION)
-            tile += 1
+                idx_ptr, stride_ik, num_rows, qk_scale_log2,
+                HEAD_DIM, NOPE, FP8, BLOCK_N, BLOCK_D, BLOCK_DV, KV_DTYPE, DOT_PRECISION)
+            start += BLOCK_N
     else:
-        for tile in tl.range(tile_lo, tile_hi, num_stages=NUM_STAGES):
+        for start in tl.range(pos_lo, pos_hi, BLOCK_N, num_stages=NUM_STAGES):
             m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, tile, row_ok, tok, offs_t, t_base, offs_d,
+                q, m_i, l_i, acc, start, pos_hi, col0,
                 kv_ptr, rope_ptr, scale_ptr, stride_row, stride_col, stride_rope_row, stride_scale_row,
-                idx_ptr, stride_it, stride_ik, num_rows, num_idx, T, qk_scale_log2,
-                HEAD_DIM, NOPE, FP8, T_BLOCK, H_BLOCK, BLOCK_N, BLOCK_D, KV_DTYPE, DOT_PRECISION)
+                idx_ptr, stride_ik, num_rows, qk_scale_log2,
+                HEAD_DIM, NOPE, FP8, BLOCK_N, BLOCK_D, BLOCK_DV, KV_DTYPE, DOT_PRECISION)
     return m_i, l_i, acc
 
 
@@ -381,83 +365,85 @@ def _sparse_mla_fwd(
     ekv_ptr, erope_ptr, escale_ptr, e_stride_row, e_stride_col, e_stride_rope_row, e_stride_scale_row,
     e_num_rows, eidx_ptr, e_stride_ib, e_stride_it, e_stride_ik, e_num_idx,
     sink_ptr, out_ptr, part_lse_ptr, part_out_ptr,
-    T, H, num_hblocks, num_tgroups, num_splits, tiles_per_split, qk_scale_log2,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NOPE: tl.constexpr, FP8: tl.constexpr,
-    T_BLOCK: tl.constexpr, H_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+    T, H, num_hblocks, num_splits, tiles_per_split, qk_scale_log2,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, NOPE: tl.constexpr,
+    FP8: tl.constexpr, H_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_TILE: tl.constexpr,
     HAS_EXTRA: tl.constexpr, HAS_SINK: tl.constexpr, SPLIT: tl.constexpr,
     KV_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_K: tl.constexpr, E_BLOCK_K: tl.constexpr,
     INTERPRETED: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
-    """One program: T_BLOCK tokens x H_BLOCK heads of one request over one split of the tiles.
+    """One program: H_BLOCK heads x BLOCK_DV value columns of one query token, over one split.
 
-    Writes the normalised output (SPLIT false) or the split's normalised partial output
-    [B,T,H,S,Dh] f32 and its log-sum-exp [B,T,H,S] f32 (SPLIT true; a combine finishes).
+    The heads share every gathered row (MQA); QK always spans all BLOCK_D dims. Writes the
+    normalised output (SPLIT false) or the split's normalised partial output [B,T,H,S,Dh] f32
+    and its log-sum-exp [B,T,H,S] f32 (SPLIT true; a combine finishes).
     """
+    NUM_DV: tl.constexpr = BLOCK_D // BLOCK_DV
     pid = tl.program_id(0)
     split = tl.program_id(1)
-    hb = pid % num_hblocks
-    rest = pid // num_hblocks
-    tg = rest % num_tgroups
-    b = (rest // num_tgroups).to(tl.int64)
-    t_base = tg * T_BLOCK
-    offs_m = tl.arange(0, T_BLOCK * H_BLOCK)
-    tok = t_base + offs_m // H_BLOCK
-    head = hb * H_BLOCK + offs_m % H_BLOCK
-    row_ok = (tok < T) & (head < H)
-    offs_t = t_base + tl.arange(0, T_BLOCK)
+    dvb = pid % NUM_DV  # the value-column blocks of one head block run next to each other (L2 reuse)
+    rest = pid // NUM_DV
+    hb = rest % num_hblocks
+    bt = (rest // num_hblocks).to(tl.int64)
+    b = bt // T
+    t = bt % T
+    head = hb * H_BLOCK + tl.arange(0, H_BLOCK)
+    head_ok = head < H
     offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
+    col0 = dvb * BLOCK_DV
+    offs_dv = col0 + tl.arange(0, BLOCK_DV)
+    dv_ok = offs_dv < HEAD_DIM
 
-    q = tl.load(q_ptr + b * stride_qb + tok[:, None] * stride_qt + head[:, None] * stride_qh
-                + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(q_ptr + b * stride_qb + t * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=head_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
     q = q.to(KV_DTYPE)
-    m_i = tl.full([T_BLOCK * H_BLOCK], float("-inf"), tl.float32)
-    l_i = tl.zeros([T_BLOCK * H_BLOCK], tl.float32)
-    acc = tl.zeros([T_BLOCK * H_BLOCK, BLOCK_D], tl.float32)
+    m_i = tl.full([H_BLOCK], float("-inf"), tl.float32)
+    l_i = tl.zeros([H_BLOCK], tl.float32)
+    acc = tl.zeros([H_BLOCK, BLOCK_DV], tl.float32)
 
-    tiles_main = tl.cdiv(num_idx, BLOCK_N)
+    # split s owns whole SPLIT_TILE tiles [lo, hi) of the main list's tiles followed by the extra's
+    tiles_main = tl.cdiv(num_idx, SPLIT_TILE)
     tiles_all = tiles_main
     if HAS_EXTRA:
-        tiles_all += tl.cdiv(e_num_idx, BLOCK_N)
+        tiles_all += tl.cdiv(e_num_idx, SPLIT_TILE)
     lo = split * tiles_per_split
     hi = tl.minimum(lo + tiles_per_split, tiles_all)
     m_i, l_i, acc = _attend_pool(
-        q, m_i, l_i, acc, row_ok, tok, offs_t, t_base, offs_d,
+        q, m_i, l_i, acc, lo * SPLIT_TILE, tl.minimum(tl.minimum(hi, tiles_main) * SPLIT_TILE, num_idx), col0,
         kv_ptr, rope_ptr, scale_ptr, stride_row, stride_col, stride_rope_row, stride_scale_row,
-        idx_ptr + b * stride_ib, stride_it, stride_ik, num_rows, num_idx,
-        lo, tl.minimum(hi, tiles_main), T, qk_scale_log2,
-        HEAD_DIM, NOPE, FP8, T_BLOCK, H_BLOCK, BLOCK_N, BLOCK_D, BLOCK_K, KV_DTYPE, DOT_PRECISION, INTERPRETED, NUM_STAGES)
+        idx_ptr + b * stride_ib + t * stride_it, stride_ik, num_rows, num_idx, qk_scale_log2,
+        HEAD_DIM, NOPE, FP8, BLOCK_N, BLOCK_D, BLOCK_DV, BLOCK_K, KV_DTYPE, DOT_PRECISION, INTERPRETED, NUM_STAGES)
     if HAS_EXTRA:
         m_i, l_i, acc = _attend_pool(
-            q, m_i, l_i, acc, row_ok, tok, offs_t, t_base, offs_d,
+            q, m_i, l_i, acc, tl.maximum(lo - tiles_main, 0) * SPLIT_TILE,
+            tl.minimum((hi - tiles_main) * SPLIT_TILE, e_num_idx), col0,
             ekv_ptr, erope_ptr, escale_ptr, e_stride_row, e_stride_col, e_stride_rope_row, e_stride_scale_row,
-            eidx_ptr + b * e_stride_ib, e_stride_it, e_stride_ik, e_num_rows, e_num_idx,
-            tl.maximum(lo - tiles_main, 0), hi - tiles_main, T, qk_scale_log2,
-            HEAD_DIM, NOPE, FP8, T_BLOCK, H_BLOCK, BLOCK_N, BLOCK_D, E_BLOCK_K, KV_DTYPE, DOT_PRECISION, INTERPRETED,
+            eidx_ptr + b * e_stride_ib + t * e_stride_it, e_stride_ik, e_num_rows, e_num_idx, qk_scale_log2,
+            HEAD_DIM, NOPE, FP8, BLOCK_N, BLOCK_D, BLOCK_DV, E_BLOCK_K, KV_DTYPE, DOT_PRECISION, INTERPRETED,
             NUM_STAGES)
 
-    bth = (b * T + tok) * H + head  # flat (b, t, h) of each row
+    bth = bt * H + head  # flat (b, t, h) of each row
     if SPLIT:
         part = bth * num_splits + split
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-        tl.store(part_lse_ptr + part, lse, mask=row_ok)
-        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc / l_safe[:, None],
-                 mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(part_lse_ptr + part, lse, mask=head_ok & (dvb == 0))  # every dvb has the same lse
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_dv[None, :], acc / l_safe[:, None],
+                 mask=head_ok[:, None] & dv_ok[None, :])
     else:
         if HAS_SINK:
-            sink = tl.load(sink_ptr + head, mask=row_ok, other=float("-inf")) * 1.4426950408889634
+            sink = tl.load(sink_ptr + head, mask=head_ok, other=float("-inf")) * 1.4426950408889634
             m_all = tl.maximum(m_i, sink)
             m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
             acc_w = tl.exp2(m_i - m_all)
             denom = l_i * acc_w + tl.exp2(sink - m_all)
         else:
-            acc_w = tl.full([T_BLOCK * H_BLOCK], 1.0, tl.float32)
+            acc_w = tl.full([H_BLOCK], 1.0, tl.float32)
             denom = l_i
         factor = tl.where(denom > 0, acc_w / tl.where(denom > 0, denom, 1.0), 0.0)
         out = acc * factor[:, None]
-        tl.store(out_ptr + bth[:, None] * HEAD_DIM + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(out_ptr + bth[:, None] * HEAD_DIM + offs_dv[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=head_ok[:, None] & dv_ok[None, :])
 
 
 @triton.jit
@@ -493,49 +479,75 @@ def _sparse_mla_combine(part_lse_ptr, part_out_ptr, sink_ptr, out_ptr, H, num_sp
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Tile sizes and grid of one launch; a function of shapes and device only (capture-safe)."""
+    """Tile sizes and grid of one launch; a function of shapes and device only (capture-safe).
 
-    t_block: int
+    A program covers h_block heads x block_dv value columns of one query token (block_dv = 0
+    means all of them); block_n index positions per tile.
+    """
+
     h_block: int
+    block_dv: int
     block_n: int
     num_splits: int
     num_warps: int
     num_stages: int
 
 
-_SM_COUNT: dict[int, int] = {}
+_DEVICE_FACTS: dict[int, tuple[int, int]] = {}
 
 
-def _sm_count(device: torch.device) -> int:
+def _device_facts(device: torch.device) -> tuple[int, int]:
+    """(SM count, shared memory bytes a block may opt into) of a CUDA device; small ones on CPU."""
     if device.type != "cuda":
-        return 4  # the interpreter: small, so that CPU tests exercise split-K
+        return 4, 101_376  # the interpreter: few SMs, so that CPU tests exercise split-K
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
+    if index not in _DEVICE_FACTS:
+        props = torch.cuda.get_device_properties(index)
+        _DEVICE_FACTS[index] = (props.multi_processor_count, props.shared_memory_per_block_optin)
+    return _DEVICE_FACTS[index]
+
+
+# Compiled for sm_90 and sm_120 (bench/RESULTS.md has registers, spills, shared memory):
+# bf16 rows, 64 heads x 256 value columns, 8 warps: 2 stages need 163,968 B, 1 stage 98,304 B.
+_TWO_STAGE_64_HEAD_SHARED = 163_968
+
+
+def split_count(programs: int, num_idx_total: int, device: torch.device, num_splits: int | None = None) -> int:
+    """Splits of the index positions for a grid of `programs` (None: about two programs per SM),
+    capped at the SPLIT_TILE tiles of num_idx_total positions."""
+    num_tiles = max(1, triton.cdiv(num_idx_total, SPLIT_TILE))
+    if num_splits is None:
+        sms = _device_facts(device)[0]
+        num_splits = 1 if programs >= sms else min(triton.cdiv(2 * sms, programs), triton.cdiv(num_tiles, 2))
+    return max(1, min(num_splits, num_tiles))
 
 
 def pick_config(batch: int, tokens: int, heads: int, head_dim: int, num_idx_total: int,
-                device: torch.device, num_splits: int | None = None, fp8_rows: bool = False) -> LaunchConfig:
-    """Rows per program M = t_block * h_block <= 32 at Dh 512 (acc [M, Dh] f32 lives in registers)."""
+                device: torch.device, num_splits: int | None = None, fp8_rows: bool = False,
+                max_shared: int | None = None) -> LaunchConfig:
+    """The launch config for these shapes; the tile choices below were compiled for sm_90/sm_120.
+
+    max_shared: the shared memory bytes a block may use (None: what `device` offers), which sets
+    the bf16 pipeline depth.
+
+    bf16 rows: all heads of a token up to 64 share each gathered tile (MQA: one read for all). At
+    Dh 512 a [64, 512] f32 accumulator plus the QK operands would spill, so 64-head programs split
+    the value columns in halves (each recomputes QK over all dims; the second gather hits L2).
+    FP8 rows: 16 heads a program; the in-register dequantisation of a [32, 512] tile spills with
+    32 or 64 heads (>= 700 spill bytes a thread) and fits without spills at 16. Small grids split
+    the index positions (split-K) so that about two programs run per SM.
+    """
+    max_shared = max_shared or _device_facts(device)[1]
     block_d = triton.next_power_of_2(head_dim)
-    max_rows = 32 if block_d >= 512 else 64
-    t_block = min(triton.next_power_of_2(tokens), max_rows)
-    h_block = min(triton.next_power_of_2(heads), max(1, max_rows // t_block))
-    if t_block * h_block < 16:  # tl.dot needs M >= 16; the extra heads are masked
-        h_block = 16 // t_block
-    block_n = SPLIT_TILE
-    num_tiles = max(1, triton.cdiv(num_idx_total, block_n))
-    programs = batch * triton.cdiv(tokens, t_block) * triton.cdiv(heads, h_block)
-    if num_splits is None:
-        sms = _sm_count(device)
-        num_splits = 1 if programs >= sms else min(triton.cdiv(2 * sms, programs), triton.cdiv(num_tiles, 2))
-    num_splits = max(1, min(num_splits, num_tiles))
-    # Measured on the H200 at B=64 (bench --tune): bf16 rows 4 warps, 2 stages; FP8 rows 8 warps,
-    # 1 stage. Every config stays under sm_120's 101,376 B of shared memory (the bench checks).
+    h_block = min(16 if fp8_rows else 64, max(16, triton.next_power_of_2(heads)))  # dot M >= 16
+    block_dv = block_d // 2 if h_block * block_d > 32 * 512 else block_d
+    programs = batch * tokens * triton.cdiv(heads, h_block) * (block_d // block_dv)
+    num_splits = split_count(programs, num_idx_total, device, num_splits)
     if fp8_rows:
-        return LaunchConfig(t_block, h_block, block_n, num_splits, num_warps=8, num_stages=1)
-    return LaunchConfig(t_block, h_block, block_n, num_splits, num_warps=4, num_stages=2)
+        return LaunchConfig(h_block, block_d, SPLIT_TILE, num_splits, num_warps=8, num_stages=1)
+    stages = 1 if block_dv < block_d and max_shared < _TWO_STAGE_64_HEAD_SHARED else 2
+    return LaunchConfig(h_block, block_dv, SPLIT_TILE, num_splits, num_warps=4 if h_block == 16 else 8,
+                        num_stages=stages)
 
 
 def _pool_args(rows: torch.Tensor, scales: torch.Tensor | None, layout: _Layout):
@@ -574,12 +586,13 @@ def plan_sparse_mla(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx, s
     if partials is not None:  # exactly the caller's S (pick_config caps S at the tile count)
         if out is not None:
             raise ValueError("plan_sparse_mla: give out or partials, not both")
-        if cfg.block_n != SPLIT_TILE:
-            raise ValueError(f"plan_sparse_mla: partials follow split_of_positions, which needs "
-                             f"config.block_n == {SPLIT_TILE}; got {cfg.block_n}")
         cfg = replace(cfg, num_splits=partials[1].shape[3])
     block_d = triton.next_power_of_2(head_dim)
-    num_tiles = triton.cdiv(idx.shape[2], cfg.block_n) + triton.cdiv(num_extra, cfg.block_n)
+    block_dv = cfg.block_dv or block_d
+    if block_d % block_dv or (layout.fp8 and block_dv % SCALE_GROUP):
+        raise ValueError(f"config.block_dv: {cfg.block_dv} must divide {block_d} (and be a multiple of 64 "
+                         f"for FP8 rows)")
+    num_tiles = triton.cdiv(idx.shape[2], SPLIT_TILE) + triton.cdiv(num_extra, SPLIT_TILE)
     tiles_per_split = max(1, triton.cdiv(num_tiles, cfg.num_splits))
     split = cfg.num_splits > 1 or partials is not None
     if partials is not None:
@@ -595,21 +608,20 @@ def plan_sparse_mla(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx, s
     extra = _pool_args(extra_kv, extra_kv_scale, layout) if layout.has_extra else main
     eidx = extra_idx if layout.has_extra else idx
     sink_arg = sink if sink is not None else q
-    num_tgroups = triton.cdiv(tokens, cfg.t_block)
     num_hblocks = triton.cdiv(heads, cfg.h_block)
     # The Triton 3.6 interpreter multiplies bf16 dot operands as raw 16-bit integers, so on CPU the
     # dots run in f32 (rows are bf16-exact either way; only P's bf16 rounding is not exercised).
     f32_dots = q.dtype == torch.float32 or not q.is_cuda
     fwd = KernelLaunch(
         _sparse_mla_fwd,
-        (batch * num_tgroups * num_hblocks, cfg.num_splits),
+        (batch * tokens * num_hblocks * (block_d // block_dv), cfg.num_splits),
         (q, *q.stride(),
          *main, idx, *idx.stride(), idx.shape[2],
          *extra, eidx, *eidx.stride(), num_extra,
          sink_arg, out, part_lse, part_out,
-         tokens, heads, num_hblocks, num_tgroups, cfg.num_splits, tiles_per_split, float(scale) * LOG2E),
-        dict(HEAD_DIM=head_dim, BLOCK_D=block_d, NOPE=layout.nope, FP8=layout.fp8,
-             T_BLOCK=cfg.t_block, H_BLOCK=cfg.h_block, BLOCK_N=cfg.block_n,
+         tokens, heads, num_hblocks, cfg.num_splits, tiles_per_split, float(scale) * LOG2E),
+        dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_DV=block_dv, NOPE=layout.nope, FP8=layout.fp8,
+             H_BLOCK=cfg.h_block, BLOCK_N=cfg.block_n, SPLIT_TILE=SPLIT_TILE,
              HAS_EXTRA=layout.has_extra, HAS_SINK=sink is not None, SPLIT=split,
              KV_DTYPE=tl.float32 if f32_dots else tl.bfloat16, DOT_PRECISION="ieee" if f32_dots else "tf32",
              BLOCK_K=triton.next_power_of_2(max(idx.shape[2], 1)),

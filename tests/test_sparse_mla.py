@@ -13,6 +13,10 @@ import torch
 from hypothesis import given, strategies as st
 
 from dsv4_compile.kernels.sparse_mla import (
+    LaunchConfig,
+    pick_config,
+    plan_sparse_mla,
+    sparse_mla_partials_reference,
     sparse_mla_reference,
     sparse_mla_triton,
 )
@@ -236,3 +240,78 @@ def test_bad_input_raises_value_error_naming_the_argument(case):
         torch.ops.dsv4.sparse_mla(**args)
     with pytest.raises(ValueError, match=name):
         sparse_mla_triton(**args)
+
+
+# ----------------------------------------------------------------------------- forced configs
+
+# (h_block, value-column blocks, block_n, num_warps, num_stages): the H200/sm_120 defaults (64 heads
+# over two halves of the value columns for bf16; 16 heads for FP8) and the bench's sweep shapes.
+FORCED = [(64, 2, 32, 8, 2), (16, 1, 32, 8, 1), (16, 1, 32, 4, 2), (32, 1, 16, 8, 2), (16, 2, 64, 8, 1)]
+
+
+def forced_inputs(seed, fmt, layer, heads, extra_len):
+    """2 requests x 3 tokens; token (1, 2) selects nothing; holes, duplicates across tokens."""
+    args = list(inputs(seed, 2, 3, heads, fmt, layer, 20, extra_len, rope=32, head_dim=96))
+    for pos in (3, 6):
+        if args[pos] is not None:
+            args[pos] = args[pos].clone()
+            args[pos][1, 2] = -1
+    return tuple(args)
+
+
+@pytest.mark.parametrize("cfg", FORCED, ids=lambda c: "h{}dv{}n{}w{}s{}".format(*c))
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+@pytest.mark.parametrize("layer, extra_len", [("csa", 40), ("hca", 33), ("csa", 0)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_forced_config_matches_reference(cfg, fmt, layer, extra_len, num_splits):
+    """Each config on fresh inputs, heads not a multiple of h_block; tolerance: TOL (module doc)."""
+    h_block, dv_blocks, block_n, warps, stages = cfg
+    args = forced_inputs(hash(cfg) % 1000 + num_splits, fmt, layer, h_block + 3, extra_len)
+    block_d = 128  # head_dim 96 (FP8 split 64 + 32) and the bf16 rows alike
+    config = LaunchConfig(h_block, block_d // dv_blocks, block_n, num_splits, warps, stages)
+    q = args[0]
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype)
+    got = sparse_mla_triton(*args, out=out, config=config)
+    torch.testing.assert_close(got, sparse_mla_reference(*args), **TOL[q.dtype])
+    assert torch.equal(got[1, 2], torch.zeros_like(got[1, 2]))
+
+
+@pytest.mark.parametrize("cfg", FORCED[:2] + FORCED[-1:], ids=lambda c: "h{}dv{}n{}w{}s{}".format(*c))
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_forced_config_partials_match_reference(cfg, fmt):
+    """The split-K pass alone (dsv4::sparse_mla_partials' contract) under each config: every
+    value-column block writes its columns, one writes the lse; splits own whole SPLIT_TILE runs
+    of positions whatever block_n is (64 here too). f32 partials of bf16-exact rows
+    with f32 dots on CPU: atol = rtol = 1e-4 (summation order and exp2 only)."""
+    h_block, dv_blocks, block_n, warps, stages = cfg
+    args = forced_inputs(7, fmt, "csa", h_block + 3, 40)
+    q, kv, kv_scale, idx, ekv, esc, eidx, _, scale = args
+    batch, tokens, heads, head_dim = q.shape
+    splits = 3
+    out = torch.full((batch, tokens, heads, splits, head_dim), float("nan"))
+    lse = torch.full((batch, tokens, heads, splits), float("nan"))
+    config = LaunchConfig(h_block, 128 // dv_blocks, block_n, splits, warps, stages)
+    for launch in plan_sparse_mla(q, kv, kv_scale, idx, ekv, esc, eidx, None, scale, None, config=config,
+                                  partials=(out, lse)):
+        launch.kernel[launch.grid](*launch.args, **launch.meta)
+    want_out, want_lse = sparse_mla_partials_reference(q, kv, kv_scale, idx, ekv, esc, eidx, scale, splits)
+    torch.testing.assert_close(out, want_out, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-4)
+
+
+def test_bad_value_column_block_raises():
+    args = forced_inputs(0, "fp8", "csa", 4, 8)
+    with pytest.raises(ValueError, match="block_dv"):
+        sparse_mla_triton(*args, config=LaunchConfig(16, 32, 32, 1, 4, 1))  # FP8 needs multiples of 64
+
+
+@pytest.mark.parametrize("fp8_rows, max_shared, want", [
+    (False, 232_448, (64, 256, 2)),  # sm_90: 2 stages (163,968 B)
+    (False, 101_376, (64, 256, 1)),  # sm_120: 1 stage (98,304 B)
+    (True, 232_448, (16, 512, 1)),   # FP8 rows: 16 heads, no spills
+])
+def test_pick_config_at_real_size(fp8_rows, max_shared, want):
+    """B=64, T=1, H=64, Dh=512, window 128 + top-k 512: the documented choice per device."""
+    cfg = pick_config(64, 1, 64, 512, 640, torch.device("cpu"), fp8_rows=fp8_rows, max_shared=max_shared)
+    assert (cfg.h_block, cfg.block_dv, cfg.num_stages) == want
+    assert cfg.num_splits >= 1 and cfg.block_n == 32
