@@ -13,8 +13,8 @@ def make_routing(tokens, top_k, experts, routing, seed):
     gen = torch.Generator().manual_seed(seed)
     if routing == "one_expert":  # every choice on one expert: most experts empty, a long block run
         ids = torch.full((tokens, top_k), experts - 1, dtype=torch.int32)
-    elif routing == "skewed":  # only experts 0 and 1, some choices on other ranks (-1)
-        ids = torch.randint(-1, 2, (tokens, top_k), generator=gen).to(torch.int32)
+    elif routing == "skewed":  # only experts 0 and 1 (0 alone when E=1), some choices on other ranks (-1)
+        ids = torch.randint(-1, min(2, experts), (tokens, top_k), generator=gen).to(torch.int32)
     else:
         ids = torch.randint(-1, experts, (tokens, top_k), generator=gen).to(torch.int32)
     weights = torch.rand(tokens, top_k, generator=gen) + 0.1
