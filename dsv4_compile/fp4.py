@@ -118,7 +118,9 @@ def quantize_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     one global scale per matrix (per expert for [E, R, N]). The global scale is the power of
     two that puts the largest block scale in (224, 448]. Each block scale is the e4m3 value,
     among round(amax/6), round(amax/4) and round(amax/3) (over the global), that gives the
-    smallest block error, so a dequantised tensor re-quantises to itself exactly.
+    smallest block error, so a dequantised tensor re-quantises to itself exactly, unless rounding
+    brought its largest |value| down to half the top of the global range (6 * 448 * global / 2):
+    then the global scale halves and blocks that need a scale above 448 re-round.
     """
     _check_finite(w, "quantize_nvfp4")
     if w.ndim < 2:
