@@ -15,11 +15,15 @@ from __future__ import annotations
 import math
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from bench import bench_fp4_moe, bench_indexer, bench_sparse_mla
 from dsv4_compile.kernels import fp4_moe, indexer_topk, sparse_mla
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from helpers import LARGE_INDEX_PAGES, LARGE_POOL_ROWS, large_indexer_inputs, large_sparse_mla_inputs  # noqa: E402
 
 DEVICE = "cuda"
 MAX_PAGES = 4097  # 262,208 c4 slots: max context 1M
@@ -104,39 +108,22 @@ def fp4_moe_cases(gen: torch.Generator) -> None:
 
 def large_pool_cases(gen: torch.Generator) -> None:
     """Pools of more than 2**31 elements, read near their end (where an int32 offset wraps):
-    indexer keys of 262,400 fp8 pages (2.15e9 elements) and a sparse-MLA extra pool of 4.3M bf16
-    rows of 512 (2.2e9 elements). Only the pages and rows read are filled."""
-    pages, page_slots, dim = 262_400, 64, 128
-    k_cache = torch.empty(pages, page_slots, dim, dtype=torch.float8_e4m3fn, device=DEVICE)
-    k_scale = torch.empty(pages, page_slots, device=DEVICE)
-    used = torch.arange(pages - 40, pages, device=DEVICE)
-    k_cache[used] = torch.randn(40, page_slots, dim, generator=gen, device=DEVICE).to(k_cache.dtype)
-    k_scale[used] = torch.rand(40, page_slots, generator=gen, device=DEVICE) + 0.5
-    page_table = used.flip(0).view(1, 40).int().contiguous()
-    q = torch.randn(1, 2, 64, dim, generator=gen, device=DEVICE).to(torch.bfloat16)
-    weights = torch.randn(1, 2, 64, generator=gen, device=DEVICE) * 64 ** -0.5
-    lens = torch.tensor([[40 * 64 - 1, 40 * 64]], device=DEVICE, dtype=torch.int32)
-    idx = indexer_topk.indexer_topk(q, weights, k_cache, k_scale, page_table, lens, 512)
+    indexer keys of 262,400 fp8 pages and a sparse-MLA extra pool of 4.3M bf16 rows of 512."""
+    args = large_indexer_inputs(64, DEVICE, gen)
+    idx = indexer_topk.indexer_topk(*args, 512)
     torch.cuda.synchronize()
-    err = bench_indexer.check_selection(idx, (q, weights, k_cache, k_scale, page_table, lens), 512,
-                                        indexer_topk, torch.bfloat16)
-    print(f"indexer, {pages} pages (2**31 + elements), last pages: ok (err {err:.2e})", flush=True)
-    del k_cache, k_scale
+    err = bench_indexer.check_selection(idx, args, 512, indexer_topk, torch.bfloat16)
+    print(f"indexer, {LARGE_INDEX_PAGES} pages (2**31 + elements), last pages: ok (err {err:.2e})", flush=True)
+    del args, idx
 
-    rows, head_dim = 4_300_000, 512
-    extra_kv = torch.empty(rows, head_dim, dtype=torch.bfloat16, device=DEVICE)
-    case = bench_sparse_mla.Case("sanitize-large", 2, 2, 64, "csa", "bf16", 512)
-    q, kv, kv_scale, idx, _, _, _, sink, scale = bench_sparse_mla.make_inputs(case, DEVICE)
-    tail = torch.arange(rows - 4096, rows, device=DEVICE)
-    extra_kv[tail] = torch.randn(4096, head_dim, generator=gen, device=DEVICE).to(torch.bfloat16)
-    extra_idx = tail[torch.randint(0, 4096, (2, 2, 512), generator=gen, device=DEVICE)].int()
-    out = sparse_mla.sparse_mla(q, kv, kv_scale, idx, extra_kv, None, extra_idx, sink, scale)
+    args = large_sparse_mla_inputs(64, DEVICE, gen)
+    out = sparse_mla.sparse_mla(*args)
     torch.cuda.synchronize()
-    ref = sparse_mla.sparse_mla_reference(q, kv, kv_scale, idx, extra_kv, None, extra_idx, sink, scale)
+    ref = sparse_mla.sparse_mla_reference(*args)
     err = (out.float() - ref.float()).abs().max().item()
     assert err <= 2 ** -7 * max(1.0, ref.float().abs().max().item()), f"sparse_mla large pool err {err}"
-    print(f"sparse_mla, extra pool of {rows} rows (2**31 + elements), last rows: ok (max abs err {err:.2e})",
-          flush=True)
+    print(f"sparse_mla, extra pool of {LARGE_POOL_ROWS} rows (2**31 + elements), last rows: ok "
+          f"(max abs err {err:.2e})", flush=True)
 
 
 def main() -> int:

@@ -28,7 +28,9 @@ import torch
 from torch.fx import Graph, Node
 
 import dsv4_compile.kernels.indexer_topk as kernel
-from dsv4_compile.passes import fx_match, indexer_sglang
+from dsv4_compile.passes import indexer_sglang
+from dsv4_compile.passes.fx_match import (PASS_THROUGH, RESHAPES, Decline, call, equal, is_call, require, shape,
+                                          strip, topk_dim_largest, val)
 
 logger = logging.getLogger("dsv4_compile")
 
@@ -37,11 +39,6 @@ PASS_NAME = "indexer"
 aten = torch.ops.aten
 prims = torch.ops.prims
 
-_RESHAPES = fx_match.RESHAPES
-_PASS_THROUGH = fx_match.PASS_THROUGH
-_Decline = fx_match.Decline
-_val, _shape, _equal = fx_match.val, fx_match.shape, fx_match.equal
-_is, _strip, _require, _call = fx_match.is_call, fx_match.strip, fx_match.require, fx_match.call
 
 
 def _last_dim(dim, rank) -> bool:
@@ -50,7 +47,7 @@ def _last_dim(dim, rank) -> bool:
 
 def _constant_scale(node: Node) -> tuple[Node, float]:
     """node = x * c (c a python number, either side) -> (x, c); otherwise (node, 1.0)."""
-    if _is(node, aten.mul.Tensor, aten.mul.Scalar):
+    if is_call(node, aten.mul.Tensor, aten.mul.Scalar):
         a, b = node.args
         if isinstance(b, (int, float)):
             return a, float(b)
@@ -61,18 +58,18 @@ def _constant_scale(node: Node) -> tuple[Node, float]:
 
 def _visible_of(mask_ref: Node, slots: Node | None = None) -> Node:
     """unsqueeze(visible, -1) -> visible (the per-token count of visible slots)."""
-    _require(_is(mask_ref, aten.unsqueeze.default) and mask_ref.args[1] in (-1, 2),
+    require(is_call(mask_ref, aten.unsqueeze.default) and mask_ref.args[1] in (-1, 2),
              "mask is not against visible[..., None]")
     return mask_ref.args[0]
 
 
 def _is_slot_iota(node: Node, slots) -> bool:
-    node = _strip(node, _RESHAPES)
-    if _is(node, prims.iota.default):
-        return _equal(node.args[0], slots) and node.kwargs.get("start", 0) == 0 \
+    node = strip(node, RESHAPES)
+    if is_call(node, prims.iota.default):
+        return equal(node.args[0], slots) and node.kwargs.get("start", 0) == 0 \
             and node.kwargs.get("step", 1) == 1
-    if _is(node, aten.arange.default, aten.arange.start):
-        return node.target == aten.arange.default and _equal(node.args[0], slots)
+    if is_call(node, aten.arange.default, aten.arange.start):
+        return node.target == aten.arange.default and equal(node.args[0], slots)
     return False
 
 
@@ -82,12 +79,12 @@ class _Match:
     def __init__(self, topk_node: Node):
         self.topk = topk_node
         scores, k = topk_node.args[:2]
-        dim, largest = fx_match.topk_dim_largest(topk_node)
-        rank = len(_shape(scores))
-        _require(rank == 3, f"top-k input is rank {rank}, not [B, T, S]")
-        _require(_last_dim(dim, rank), f"topk over dim {dim}, not the slot dim")
-        _require(largest, "topk of the smallest scores")
-        _require(isinstance(k, int), "symbolic topk")
+        dim, largest = topk_dim_largest(topk_node)
+        rank = len(shape(scores))
+        require(rank == 3, f"top-k input is rank {rank}, not [B, T, S]")
+        require(_last_dim(dim, rank), f"topk over dim {dim}, not the slot dim")
+        require(largest, "topk of the smallest scores")
+        require(isinstance(k, int), "symbolic topk")
         self.k = k
         self._match_tail()
         self._match_mask(scores)
@@ -98,152 +95,152 @@ class _Match:
 
     def _match_tail(self):
         users = list(self.topk.users)
-        _require(all(_is(u, operator.getitem) for u in users), "top-k result used whole")
-        _require(all(u.args[1] == 1 for u in users), "top-k values are used")
-        _require(len(users) == 1, "top-k indices read more than once")
+        require(all(is_call(u, operator.getitem) for u in users), "top-k result used whole")
+        require(all(u.args[1] == 1 for u in users), "top-k values are used")
+        require(len(users) == 1, "top-k indices read more than once")
         top_idx = users[0]
-        where = [u for u in top_idx.users if _is(u, aten.where.self)]
-        _require(len(top_idx.users) == 2 and len(where) == 1,
+        where = [u for u in top_idx.users if is_call(u, aten.where.self)]
+        require(len(top_idx.users) == 2 and len(where) == 1,
                  "top-k indices are not masked with -1 past the visible count")
         where = where[0]
         cond, fill, other = where.args
-        _require(other is top_idx and _is(cond, aten.ge.Tensor) and cond.args[0] is top_idx,
+        require(other is top_idx and is_call(cond, aten.ge.Tensor) and cond.args[0] is top_idx,
                  "top-k indices are not masked with where(idx >= visible, -1, idx)")
-        _require(_is(fill, aten.full.default) and fill.args[1] == -1,
+        require(is_call(fill, aten.full.default) and fill.args[1] == -1,
                  "masked top-k indices are not filled with -1")
         self.tail_visible = _visible_of(cond.args[1])
         self.out = where
         if len(where.users) == 1:
             (user,) = where.users
-            if _is(user, prims.convert_element_type.default):
+            if is_call(user, prims.convert_element_type.default):
                 self.out = user
 
     def _match_mask(self, scores: Node):
-        _require(_is(scores, aten.where.self), "top-k input is not masked by the visible count")
+        require(is_call(scores, aten.where.self), "top-k input is not masked by the visible count")
         cond, fill, raw = scores.args
-        _require(_is(fill, aten.full.default) and fill.args[1] == float("-inf"),
+        require(is_call(fill, aten.full.default) and fill.args[1] == float("-inf"),
                  "masked scores are not filled with -inf")
-        _require(_is(cond, aten.ge.Tensor), "mask is not slot >= visible")
-        slots = _shape(scores)[2]
-        _require(_is_slot_iota(cond.args[0], slots), "mask does not compare the slot number")
+        require(is_call(cond, aten.ge.Tensor), "mask is not slot >= visible")
+        slots = shape(scores)[2]
+        require(_is_slot_iota(cond.args[0], slots), "mask does not compare the slot number")
         visible = _visible_of(cond.args[1])
-        _require(visible is self.tail_visible or _strip(visible) is _strip(self.tail_visible),
+        require(visible is self.tail_visible or strip(visible) is strip(self.tail_visible),
                  "score mask and index mask use different visible counts")
         self.visible = visible
         self.scores = raw
 
     def _match_scores(self):
         s = self.scores
-        _require(_is(s, aten.sum.dim_IntList), "scores are not a sum over heads")
-        _require(list(s.args[1]) in ([2], [-2]) and not (len(s.args) > 2 and s.args[2]),
+        require(is_call(s, aten.sum.dim_IntList), "scores are not a sum over heads")
+        require(list(s.args[1]) in ([2], [-2]) and not (len(s.args) > 2 and s.args[2]),
                  f"sum over dims {list(s.args[1])}, not the head dim")
         prod = s.args[0]
-        _require(_is(prod, aten.mul.Tensor), "summed term is not a weighted activation")
+        require(is_call(prod, aten.mul.Tensor), "summed term is not a weighted activation")
         a, b = prod.args
-        weight_side = [x for x in (a, b) if _is(x, aten.unsqueeze.default)
-                       and x.args[1] in (-1, 3) and len(_shape(x.args[0])) == 3]
-        _require(len(weight_side) == 1, "head weights are not weights[..., None]")
+        weight_side = [x for x in (a, b) if is_call(x, aten.unsqueeze.default)
+                       and x.args[1] in (-1, 3) and len(shape(x.args[0])) == 3]
+        require(len(weight_side) == 1, "head weights are not weights[..., None]")
         self.weights = weight_side[0].args[0]
         act = b if weight_side[0] is a else a
         act, scale = _constant_scale(act)
-        _require(_is(act, aten.relu.default),
+        require(is_call(act, aten.relu.default),
                  f"activation {getattr(act, 'target', act)} is not relu")
         logits, inner = _constant_scale(act.args[0])
-        _require(inner > 0, "a non-positive scale inside relu")
+        require(inner > 0, "a non-positive scale inside relu")
         self.scale = scale * inner
-        _require(_is(logits, *_RESHAPES), "logits are not a reshaped bmm")
+        require(is_call(logits, *RESHAPES), "logits are not a reshaped bmm")
         self.bmm = logits.args[0]
-        _require(_is(self.bmm, aten.bmm.default), "logits do not come from a bmm")
-        self.logits_shape = _shape(logits)
+        require(is_call(self.bmm, aten.bmm.default), "logits do not come from a bmm")
+        self.logits_shape = shape(logits)
 
     def _match_keys(self):
         node = self.bmm.args[1]
-        last_two = _shape(node)[-2:]
-        while _is(node, *_PASS_THROUGH):
-            _require(tuple(_shape(node)[-2:]) == tuple(last_two),
+        last_two = shape(node)[-2:]
+        while is_call(node, *PASS_THROUGH):
+            require(tuple(shape(node)[-2:]) == tuple(last_two),
                      "keys are reshaped across the (D, S) dims")
-            if _is(node, prims.convert_element_type.default):
-                _require(node.args[1] == torch.float32, "keys cast to a type other than f32")
+            if is_call(node, prims.convert_element_type.default):
+                require(node.args[1] == torch.float32, "keys cast to a type other than f32")
             node = node.args[0]
-        _require(_is(node, aten.permute.default, aten.transpose.int), "keys are not transposed")
+        require(is_call(node, aten.permute.default, aten.transpose.int), "keys are not transposed")
         if node.target == aten.permute.default:
-            _require(list(node.args[1]) == [0, 2, 1], "keys permuted other than [0, 2, 1]")
+            require(list(node.args[1]) == [0, 2, 1], "keys permuted other than [0, 2, 1]")
         else:
-            _require(sorted(d % 3 for d in node.args[1:3]) == [1, 2], "keys transposed wrongly")
-        flat = _strip(node.args[0], {prims.convert_element_type.default})
-        _require(_is(flat, *_RESHAPES), "transposed keys are not a reshape of the gather")
-        gathered = _strip(flat.args[0], {prims.convert_element_type.default})
-        _require(_is(gathered, aten.index.Tensor) and len(gathered.args[1]) == 1,
+            require(sorted(d % 3 for d in node.args[1:3]) == [1, 2], "keys transposed wrongly")
+        flat = strip(node.args[0], {prims.convert_element_type.default})
+        require(is_call(flat, *RESHAPES), "transposed keys are not a reshape of the gather")
+        gathered = strip(flat.args[0], {prims.convert_element_type.default})
+        require(is_call(gathered, aten.index.Tensor) and len(gathered.args[1]) == 1,
                  "keys are not k_pages[page_table]")
         self.k_pages = gathered.args[0]
-        self.page_table = _strip(gathered.args[1][0], {prims.convert_element_type.default})
-        self.gathered_shape = _shape(gathered)  # [B, NP, page, D]
-        self.flat_shape = _shape(flat)  # [B, S, D]
+        self.page_table = strip(gathered.args[1][0], {prims.convert_element_type.default})
+        self.gathered_shape = shape(gathered)  # [B, NP, page, D]
+        self.flat_shape = shape(flat)  # [B, S, D]
 
     def _match_query(self):
         node = self.bmm.args[0]
-        while _is(node, *_PASS_THROUGH) and len(_shape(node)) != 4:
+        while is_call(node, *PASS_THROUGH) and len(shape(node)) != 4:
             node = node.args[0]
-        shape = _shape(node)
-        node = _strip(node, {aten.expand.default, aten.clone.default,
+        query_shape = shape(node)
+        node = strip(node, {aten.expand.default, aten.clone.default,
                              prims.convert_element_type.default})
-        _require(len(_shape(node)) == 4, "query is not [B, T, H, D]")
-        _require(all(_equal(a, b) for a, b in zip(_shape(node), shape)),
+        require(len(shape(node)) == 4, "query is not [B, T, H, D]")
+        require(all(equal(a, b) for a, b in zip(shape(node), query_shape)),
                  "query is broadcast, not [B, T, H, D]")
         self.q = node
 
     def _check_sizes(self):
-        batch, tokens, heads, dim = _shape(self.q)
-        pages_shape = _shape(self.k_pages)
-        _require(len(pages_shape) == 3, "k_pages is not [P, page, D]")
+        batch, tokens, heads, dim = shape(self.q)
+        pages_shape = shape(self.k_pages)
+        require(len(pages_shape) == 3, "k_pages is not [P, page, D]")
         page = pages_shape[1]
-        _require(_equal(page, kernel.PAGE_SIZE), f"page size {page} != {kernel.PAGE_SIZE}")
+        require(equal(page, kernel.PAGE_SIZE), f"page size {page} != {kernel.PAGE_SIZE}")
         g_batch, n_pages, _, g_dim = self.gathered_shape
         slots = self.flat_shape[1]
-        _require(_equal(slots, n_pages * kernel.PAGE_SIZE),
+        require(equal(slots, n_pages * kernel.PAGE_SIZE),
                  "gathered width is not page-table columns x 64")
-        _require(_equal(g_batch, batch) and _equal(g_dim, dim) and _equal(pages_shape[2], dim),
+        require(equal(g_batch, batch) and equal(g_dim, dim) and equal(pages_shape[2], dim),
                  "keys and query disagree on B or D")
         lb, lt, lh, ls = self.logits_shape
-        _require(all(_equal(x, y) for x, y in ((lb, batch), (lt, tokens), (lh, heads),
+        require(all(equal(x, y) for x, y in ((lb, batch), (lt, tokens), (lh, heads),
                                                (ls, slots))),
                  "logits are not [B, T, H, S]")
-        _require(_equal(_shape(self.bmm.args[0])[-1], dim), "bmm does not contract the head dim")
-        _require(tuple(_shape(self.weights)) == (batch, tokens, heads), "weights are not [B, T, H]")
-        _require(tuple(_shape(self.visible)) == (batch, tokens), "visible is not [B, T]")
-        _require(1 <= self.k <= kernel.MAX_TOPK, f"topk {self.k} > {kernel.MAX_TOPK}"
+        require(equal(shape(self.bmm.args[0])[-1], dim), "bmm does not contract the head dim")
+        require(tuple(shape(self.weights)) == (batch, tokens, heads), "weights are not [B, T, H]")
+        require(tuple(shape(self.visible)) == (batch, tokens), "visible is not [B, T]")
+        require(1 <= self.k <= kernel.MAX_TOPK, f"topk {self.k} > {kernel.MAX_TOPK}"
                  if self.k > kernel.MAX_TOPK else f"topk {self.k} < 1")
         for name, size, lo, hi in (("heads", heads, kernel.MIN_HEADS, kernel.MAX_HEADS),
                                    ("head dim", dim, 16, kernel.MAX_HEAD_DIM)):
-            _require(not isinstance(size, torch.SymInt), f"symbolic {name}")
-            _require(lo <= size <= hi, f"{name} {size} not in [{lo}, {hi}]")
-        _require(dim % 16 == 0, f"head dim {dim} is not a multiple of 16")
-        _require(not isinstance(slots, torch.SymInt), "symbolic page-table width")
+            require(not isinstance(size, torch.SymInt), f"symbolic {name}")
+            require(lo <= size <= hi, f"{name} {size} not in [{lo}, {hi}]")
+        require(dim % 16 == 0, f"head dim {dim} is not a multiple of 16")
+        require(not isinstance(slots, torch.SymInt), "symbolic page-table width")
         self.slots = slots
         for name, node, dtypes in (("q", self.q, kernel._Q_DTYPES),
                                    ("k_pages", self.k_pages, kernel._K_DTYPES)):
-            dtype = _val(node).dtype
-            _require(dtype in dtypes, f"{name} dtype {dtype} not supported")
+            dtype = val(node).dtype
+            require(dtype in dtypes, f"{name} dtype {dtype} not supported")
 
 
 def _rewrite(graph: Graph, m: _Match) -> None:
     convert = prims.convert_element_type.default
     with graph.inserting_before(m.out):
         weights = m.weights
-        if _val(weights).dtype != torch.float32:
-            weights = _call(graph, convert, (weights, torch.float32))
+        if val(weights).dtype != torch.float32:
+            weights = call(graph, convert, (weights, torch.float32))
         if m.scale != 1.0:
-            weights = _call(graph, aten.mul.Tensor, (weights, m.scale))
-        lens = _call(graph, aten.clamp_min.default, (m.visible, 0))
-        lens = _call(graph, aten.clamp_max.default, (lens, m.slots))
-        lens = _call(graph, convert, (lens, torch.int32))
+            weights = call(graph, aten.mul.Tensor, (weights, m.scale))
+        lens = call(graph, aten.clamp_min.default, (m.visible, 0))
+        lens = call(graph, aten.clamp_max.default, (lens, m.slots))
+        lens = call(graph, convert, (lens, torch.int32))
         page_table = m.page_table
-        if _val(page_table).dtype != torch.int32:
-            page_table = _call(graph, convert, (page_table, torch.int32))
-        idx = _call(graph, torch.ops.dsv4.indexer_topk.default,
+        if val(page_table).dtype != torch.int32:
+            page_table = call(graph, convert, (page_table, torch.int32))
+        idx = call(graph, torch.ops.dsv4.indexer_topk.default,
                     (m.q, weights, m.k_pages, None, page_table, lens, m.k))
-        if _val(m.out).dtype != torch.int32:
-            idx = _call(graph, convert, (idx, _val(m.out).dtype))
+        if val(m.out).dtype != torch.int32:
+            idx = call(graph, convert, (idx, val(m.out).dtype))
     m.out.replace_all_uses_with(idx)
     graph.erase_node(m.out)
 
@@ -252,7 +249,7 @@ def apply(graph: Graph, report) -> int:
     """Rewrite every full-context indexer top-k in `graph`; returns the number rewritten."""
     rewrites = 0
     for node in list(graph.nodes):
-        if not _is(node, aten.topk.default):
+        if not is_call(node, aten.topk.default):
             continue
         rank = node.args[0].meta["val"].dim()
         if rank == 3:
@@ -263,7 +260,7 @@ def apply(graph: Graph, report) -> int:
             continue  # e.g. an MoE router's top-k: not a candidate
         try:
             match = match(node)
-        except _Decline as why:
+        except Decline as why:
             report.record(PASS_NAME, node, False, str(why))
             logger.debug("indexer pass declined %s: %s", node.name, why)
             continue

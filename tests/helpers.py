@@ -102,3 +102,41 @@ class StepCounter:
     def __call__(self, *args: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         return self._step(*args)
+
+
+LARGE_INDEX_PAGES = 262_400  # x 64 slots x 128 dims = 2.15e9 fp8 elements
+LARGE_POOL_ROWS = 4_300_000  # x 512 dims = 2.2e9 bf16 elements
+
+
+def large_indexer_inputs(heads: int, device: str, gen: torch.Generator) -> tuple:
+    """indexer_topk arguments (without topk) whose key cache has more than 2**31 elements: one
+    request over its last 40 pages (only those filled), two tokens, lens 40*64 - 1 and 40*64.
+    q [1, 2, heads, 128] bf16, weights [1, 2, heads] f32, k_cache fp8 [P, 64, 128], k_scale [P, 64]."""
+    used_pages, page, dim = 40, 64, 128
+    k_cache = torch.empty(LARGE_INDEX_PAGES, page, dim, dtype=torch.float8_e4m3fn, device=device)
+    k_scale = torch.empty(LARGE_INDEX_PAGES, page, device=device)
+    used = torch.arange(LARGE_INDEX_PAGES - used_pages, LARGE_INDEX_PAGES, device=device)
+    k_cache[used] = torch.randn(used_pages, page, dim, generator=gen, device=device).to(k_cache.dtype)
+    k_scale[used] = torch.rand(used_pages, page, generator=gen, device=device) + 0.5
+    page_table = used.flip(0).view(1, used_pages).int().contiguous()
+    q = torch.randn(1, 2, heads, dim, generator=gen, device=device).to(torch.bfloat16)
+    weights = torch.randn(1, 2, heads, generator=gen, device=device) * heads ** -0.5
+    lens = torch.tensor([[used_pages * page - 1, used_pages * page]], dtype=torch.int32, device=device)
+    return q, weights, k_cache, k_scale, page_table, lens
+
+
+def large_sparse_mla_inputs(heads: int, device: str, gen: torch.Generator) -> tuple:
+    """sparse_mla arguments whose extra pool has more than 2**31 elements, read in its last 1,024
+    rows (only those filled): B=2, T=2, Dh=512 bf16, a 64-row window, 128 extra rows per token
+    with -1 holes in one token."""
+    head_dim, window = 512, 64
+    extra_kv = torch.empty(LARGE_POOL_ROWS, head_dim, dtype=torch.bfloat16, device=device)
+    tail = torch.arange(LARGE_POOL_ROWS - 1024, LARGE_POOL_ROWS, device=device)
+    extra_kv[tail] = torch.randn(1024, head_dim, generator=gen, device=device).to(torch.bfloat16)
+    kv = torch.randn(2 * window, head_dim, generator=gen, device=device).to(torch.bfloat16)
+    q = torch.randn(2, 2, heads, head_dim, generator=gen, device=device).to(torch.bfloat16)
+    idx = torch.arange(2 * window, device=device).view(2, 1, window).expand(2, 2, window).int().contiguous()
+    extra_idx = tail[torch.randint(0, 1024, (2, 2, 128), generator=gen, device=device)].int()
+    extra_idx[0, 1, ::3] = -1
+    sink = torch.randn(heads, generator=gen, device=device)
+    return q, kv, None, idx, extra_kv, None, extra_idx, sink, head_dim ** -0.5
