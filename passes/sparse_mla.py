@@ -20,6 +20,11 @@ Two normalisation forms are recognised:
      rows that have nothing valid and a zero fix-up of the output there (SGLang 0.5.23's torch
      sparse-decode fallback).
 Plain softmax without a sink is left alone (its all-masked rows are NaN, the op's are 0).
+
+On CUDA, inductor's pad_mm may have padded either bmm (chosen by benchmark, per shape: the window
+of a verify step, W + T - 1 rows, is off the bf16 alignment of 8): its operands are then
+constant_pad_nd(x, zeros at the end of dims) and its output is sliced back. The match looks
+through that padding: zero rows of the contracted dim add nothing, and the slices drop the rest.
 """
 from __future__ import annotations
 
@@ -84,6 +89,44 @@ def _layout_source_of_shape(node, shape: tuple):
             node.target in _LAYOUT or _is_full_slice(node)):
         node = node.args[0]
     return node
+
+
+def _unpadded(node):
+    """x of constant_pad_nd(x, pad, 0) that appends zeros at the end of dims (inductor's pad_mm
+    of a bmm operand); else node itself."""
+    if not (isinstance(node, Node) and node.target == aten.constant_pad_nd.default):
+        return node
+    pad = list(node.args[1])
+    value = node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0)
+    if value == 0 and all(p == 0 for p in pad[0::2]) and all(p >= 0 for p in pad[1::2]):
+        return node.args[0]
+    return node
+
+
+def _bmm_operands(bmm: Node) -> tuple:
+    """(mat1, mat2) of a bmm with any pad_mm padding removed."""
+    return _unpadded(bmm.args[0]), _unpadded(bmm.args[1])
+
+
+def _is_unpad_slice(node: Node) -> bool:
+    """A slice from 0 along dim 1 or 2 of a [N, m, n] tensor: how pad_mm cuts a padded bmm's output back."""
+    if node.target != aten.slice.Tensor or len(_shape(node.args[0])) != 3:
+        return False
+    dim, start = (list(node.args[1:]) + [0, None])[:2]
+    return dim % 3 in (1, 2) and start in (0, None)
+
+
+def _unpadded_bmm(node):
+    """The bmm under pad_mm's output slices, when each slice only drops rows or columns that the
+    padding of the bmm's operands added (the sliced shape is the unpadded product's); else node."""
+    bmm = node
+    while isinstance(bmm, Node) and _is_unpad_slice(bmm):
+        bmm = bmm.args[0]
+    if bmm is node or not (isinstance(bmm, Node) and bmm.target == aten.bmm.default):
+        return node
+    mat1, mat2 = _bmm_operands(bmm)
+    a, b = _shape(mat1), _shape(mat2)
+    return bmm if len(a) == len(b) == 3 and _shape(node) == (a[0], a[1], b[2]) else node
 
 
 def _is_full_of(node, value: float) -> bool:
@@ -279,8 +322,9 @@ def _gathers(v: Node):
 
 
 def _match(pv: Node) -> _Match:
-    p = _strip(pv.args[0])
-    v_side = _strip(pv.args[1])
+    p_side, v_side = _bmm_operands(pv)
+    p = _strip(p_side)
+    v_side = _strip(v_side)
     zeroed_by = None
     if isinstance(v_side, Node) and v_side.target == aten.index_put.default and _is_full_of(v_side.args[2], 0.0):
         zeroed_by = _strip(v_side.args[1][0]) if len(v_side.args[1]) == 1 else None
@@ -322,11 +366,12 @@ def _match(pv: Node) -> _Match:
         scores, scale = scale, scores
     if not isinstance(scale, (int, float)):
         raise _Decline("the softmax scale is not a constant")
-    qk = _strip(scores)
+    qk = _unpadded_bmm(_strip(scores))
     if not isinstance(qk, Node) or qk.target != aten.bmm.default:
         raise _Decline("the logits are not a q.k product")
-    q = _layout_source_of_shape(qk.args[0], (batch, tokens, heads, dim))
-    k_side = _strip(qk.args[1])
+    q_side, k_side = _bmm_operands(qk)
+    q = _layout_source_of_shape(q_side, (batch, tokens, heads, dim))
+    k_side = _strip(k_side)
     if isinstance(k_side, Node) and k_side.target == aten.index_put.default:
         k_side = _strip(k_side.args[0])
     if k_side is not v_side:
@@ -356,11 +401,13 @@ def _match(pv: Node) -> _Match:
 
 
 def _output_node(pv: Node, shape: tuple, lse_l: Node | None) -> Node:
-    """The first node after the PV bmm (through layout ops) holding out [B,T,H,D]."""
+    """The first node after the PV bmm (through layout ops, and pad_mm's slices when its operands
+    are padded) holding out [B,T,H,D]."""
     node = pv
+    padded = _bmm_operands(pv) != tuple(pv.args[:2])
     while _shape(node) != shape:
         users = list(node.users)
-        if len(users) != 1 or users[0].target not in _LAYOUT:
+        if len(users) != 1 or not (users[0].target in _LAYOUT or (padded and _is_unpad_slice(users[0]))):
             raise _Decline("the attention output is not reshaped back to [B, T, H, D]")
         node = users[0]
     users = list(node.users)
@@ -432,7 +479,7 @@ def _candidates(graph: Graph) -> list[Node]:
     for node in graph.nodes:
         if node.target != aten.bmm.default:
             continue
-        p = _strip(node.args[0])
+        p = _strip(_unpadded(node.args[0]))
         if isinstance(p, Node) and p.target == aten.slice.Tensor:
             p = _strip(p.args[0])
         if isinstance(p, Node) and (p.target == aten.exp.default

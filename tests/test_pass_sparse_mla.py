@@ -10,6 +10,8 @@ import pytest
 import torch
 from torch._inductor import inductor_prims
 from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.fx_passes import pad_mm
+from torch._inductor.pattern_matcher import PatternMatcherPass, fwd_only, register_replacement
 from torch._inductor.utils import run_and_get_code
 
 from dsv4_compile.backend import Dsv4Backend
@@ -117,6 +119,63 @@ def test_a_mask_beyond_idx_ge_0_is_folded_into_the_indices():
     out, code, report = compile_with_pass(index_and_causal_mask, *args)
     assert report.count("sparse_mla") == 1 and "bmm" not in code
     torch.testing.assert_close(out, index_and_causal_mask(*args), **TOL[torch.bfloat16])
+
+
+class PadBmmAsInductorOnCuda(CustomGraphPass):
+    """inductor's pad_mm rewrite of bmm, which it applies on CUDA only and where a benchmark says
+    so: torch's own pattern and replacement, here for every bmm with a dim off the alignment."""
+
+    def __init__(self) -> None:
+        self.patterns = PatternMatcherPass()
+        self.padded = 0
+        register_replacement(pad_mm.bmm_pattern, pad_mm.bmm_replace, [torch.empty(2, 3, 5), torch.empty(2, 5, 7)],
+                             fwd_only, self.patterns, extra_check=self._off_alignment)
+
+    def _off_alignment(self, match) -> bool:
+        mat1, mat2 = (match.kwargs[name].meta["val"] for name in ("mat1", "mat2"))
+        align = pad_mm.get_alignment_size(mat1)
+        off = any(pad_mm.get_padded_length(size, align) for size in (*mat1.shape[1:], mat2.shape[2]))
+        self.padded += off
+        return off
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        self.patterns.apply(graph)
+
+    def uuid(self) -> bytes:
+        return b"PadBmmAsInductorOnCuda"
+
+
+@pytest.mark.parametrize("tokens", [1, 3], ids=["decode", "verify"])
+@pytest.mark.parametrize("layer", ["window", "csa", "hca"])
+def test_bmms_padded_by_inductor_are_rewritten(layer, tokens):
+    # 4 heads and 16 + 12 keys are off bf16's alignment of 8: both bmms get padded operands and
+    # sliced outputs (on the H200 a verify step's window of W + T - 1 rows did this).
+    args = model_inputs(layer, tokens)
+    fn = window_attention if layer == "window" else two_pool_attention
+    padding = PadBmmAsInductorOnCuda()
+    with torch._inductor.config.patch(post_grad_custom_pre_pass=padding):
+        out, code, report = compile_with_pass(fn, *args)
+    assert padding.padded == 2
+    assert report.count("sparse_mla") == 1
+    assert "dsv4.sparse_mla" in code and "bmm" not in code
+    torch.testing.assert_close(out, fn(*args), **TOL[torch.bfloat16])
+
+
+def padded_with_ones(q, kv, idx, sink):
+    """Both PV operands padded with ones: the padding adds to every output (not pad_mm's zeros)."""
+    rows = gather_rows(kv, idx)
+    logits = (torch.matmul(q, rows.transpose(-1, -2)) * 0.125).masked_fill(~(idx >= 0).unsqueeze(2), float("-inf"))
+    sinks = sink.view(1, 1, -1, 1).expand(*logits.shape[:3], 1).to(logits.dtype)
+    probs = torch.softmax(torch.cat([logits, sinks], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(torch.nn.functional.pad(probs, (0, 2), value=1.0),
+                        torch.nn.functional.pad(rows, (0, 0, 0, 2), value=1.0))
+
+
+def test_operands_padded_with_nonzero_values_stay():
+    args = model_inputs("window", 2, dtype=torch.float32)
+    out, code, report = compile_with_pass(padded_with_ones, *args)
+    assert report.count("sparse_mla") == 0 and "dsv4.sparse_mla" not in code
+    torch.testing.assert_close(out, padded_with_ones(*args), **TOL[torch.float32])
 
 
 # ----------------------------------------------------------------------------- variants that stay
