@@ -292,12 +292,8 @@ def run_case(case: Case, device, smoke: bool, sm120: dict) -> Result:
     fwd = launches[0]
     res.config = {k: fwd.meta[k] for k in ("H_BLOCK", "BLOCK_DV", "BLOCK_N", "num_warps", "num_stages")}
     res.config.update(num_splits=fwd.grid[1], grid=list(fwd.grid))
-    # the config pick_config chooses on an sm_120 GPU (its shared memory), cross-compiled after the
-    # timings (check_sm120)
-    q, _, _, idx, _, _, eidx, _, _ = args
-    sm120_config = sm.pick_config(*q.shape, idx.shape[2] + (0 if eidx is None else eidx.shape[2]), q.device,
-                                  fp8_rows=case.fmt == "fp8", max_shared=SM120_SHARED_LIMIT)
-    for launch in sm.plan_sparse_mla(*args, out=out, config=sm120_config):
+    # the configs run here, cross-compiled for sm_120 after the timings (check_sm120)
+    for launch in launches:
         key = (launch.kernel.fn.__name__, tuple(sorted((k, str(v)) for k, v in launch.meta.items())))
         sm120.setdefault(key, launch)
     t_kernel, how = graph_timer(kernel, smoke)

@@ -15,8 +15,8 @@ Launch (capture-safe: static shapes, no host syncs):
    can fuse with what follows, e.g. the shared-expert add).
 
 Steps 2 and 3 have two kernel pairs behind one launcher: a GEMV path (`_gate_up_gemv_kernel`,
-`_down_gemv_kernel`; no tl.dot) for expert blocks of at most GEMV_MAX_ROWS rows (decode and
-verify), and the dot path below for larger blocks; `choose_config` picks by average pairs per
+`_down_gemv_kernel`; no tl.dot) for at most GEMV_MAX_ROWS pairs per expert on average (decode),
+and the dot path below for more (verify, prefill); `choose_config` picks by average pairs per
 expert, `TileConfig` overrides it (tests, bench --sweep).
 
 On the dot path weights are dequantised to the dot dtype (bf16 for bf16 x on GPU, f32 for f32 x
@@ -549,32 +549,29 @@ class TileConfig:
             raise ValueError(f"TileConfig.block_m must be >= 16 for the dot path (tl.dot), got {self.block_m}")
 
 
-# Rows per expert block of the GEMV path, by average pairs per expert (M*k / E; a static shape
-# fact, so the choice is capture-safe). Every row of a GEMV block costs 2 FMAs per weight byte
-# whether the row is real or padding, while each extra block of the same expert re-reads its
-# weights (mostly from L2: the blocks of one expert are adjacent in the grid), so the block is
-# the power of two at or above the average, and blocks of up to 8 rows; beyond 8 rows per expert
-# the weights are reused enough for tensor-core tiles (the dot path). V4-Flash (E=256, k=6):
-# M=1 and 8 -> 1 row, M=64 -> 2, M=256 (verify) -> 8.
-GEMV_MAX_ROWS = 8
+# The path by average pairs per expert (M*k / E; a static shape fact, so the choice is
+# capture-safe), from the H200 sweep (bench/bench_fp4_moe.py --sweep, V4-Flash E=256, k=6,
+# bench/RESULTS.md): at 1 pair per expert (M=1, 8) one-row GEMV blocks are the fastest (M=1: 0.134
+# vs 0.195 ms dot); at ~2 (M=64) one-row GEMV blocks (2.23 / 2.47 ms MXFP4 / NVFP4) match the best
+# of two-row blocks (2.47 / 2.36) and the dot path (2.52 / 2.41), although each pair re-reads its
+# expert's weights (mostly from L2: the blocks of one expert are adjacent in the grid); at 6
+# (M=256, verify) the dot path is twice as fast as any GEMV block (3.27 vs 6.75 ms).
+GEMV_MAX_ROWS = 2
 # num_stages only matters on the dot path: Triton 3.6 software-pipelines loads only in loops with
 # a tl.dot, so the GEMV kernels keep bytes in flight through several programs per SM instead
 # (sm_90 builds: 48-95 registers per thread at one row, i.e. 5+ resident programs of 4 warps).
 DEFAULT_CONFIGS = {
-    1: TileConfig("gemv", 1, 16, 512, num_warps=4),
-    2: TileConfig("gemv", 2, 16, 512, num_warps=4),
-    4: TileConfig("gemv", 4, 16, 512, num_warps=4),
-    8: TileConfig("gemv", 8, 16, 512, num_warps=8),
+    "gemv": TileConfig("gemv", 1, 16, 512, num_warps=4),
     "dot16": TileConfig("dot", 16, 64, 128, num_warps=4, num_stages=2),
     "dot64": TileConfig("dot", 64, 64, 128, num_warps=4, num_stages=2),
 }
 
 
-def size_class(pairs: int, experts: int) -> int | str:
+def size_class(pairs: int, experts: int) -> str:
     """The DEFAULT_CONFIGS key for M*k = `pairs` (token, choice) pairs over `experts` experts."""
     average = max(1, -(-pairs // experts))
     if average <= GEMV_MAX_ROWS:
-        return 1 << (average - 1).bit_length()
+        return "gemv"
     return "dot16" if average <= 16 else "dot64"
 
 

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from dsv4_compile.kernels._runtime import triton_runs_on
-from dsv4_compile.kernels.topk_select import DEFAULT_CHUNK, select_topk_triton
+from dsv4_compile.kernels.topk_select import DEFAULT_CHUNK, DEFAULT_SELECT_WARPS, select_topk_triton
 
 PAGE_SIZE = 64
 MAX_TOPK = 2048
@@ -305,7 +305,7 @@ def indexer_topk_triton(
     splits: int | None = None,
     workspace: torch.Tensor | None = None,
     chunk: int = DEFAULT_CHUNK,
-    select_warps: int = 8,
+    select_warps: int = DEFAULT_SELECT_WARPS,
 ) -> tuple[torch.Tensor, list]:
     """Launch the scoring and selection kernels; returns (idx [B, T, topk] int32, the kernels).
 

@@ -493,23 +493,17 @@ class LaunchConfig:
     num_stages: int
 
 
-_DEVICE_FACTS: dict[int, tuple[int, int]] = {}
+_SM_COUNTS: dict[int, int] = {}
 
 
-def _device_facts(device: torch.device) -> tuple[int, int]:
-    """(SM count, shared memory bytes a block may opt into) of a CUDA device; small ones on CPU."""
+def _sm_count(device: torch.device) -> int:
+    """The SM count of a CUDA device; 4 on CPU (the interpreter), so that CPU tests exercise split-K."""
     if device.type != "cuda":
-        return 4, 101_376  # the interpreter: few SMs, so that CPU tests exercise split-K
+        return 4
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _DEVICE_FACTS:
-        props = torch.cuda.get_device_properties(index)
-        _DEVICE_FACTS[index] = (props.multi_processor_count, props.shared_memory_per_block_optin)
-    return _DEVICE_FACTS[index]
-
-
-# Compiled for sm_90 and sm_120 (bench/RESULTS.md has registers, spills, shared memory):
-# bf16 rows, 64 heads x 256 value columns, 8 warps: 2 stages need 163,968 B, 1 stage 98,304 B.
-_TWO_STAGE_64_HEAD_SHARED = 163_968
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
 
 
 def split_count(programs: int, num_idx_total: int, device: torch.device, num_splits: int | None = None) -> int:
@@ -517,37 +511,29 @@ def split_count(programs: int, num_idx_total: int, device: torch.device, num_spl
     capped at the SPLIT_TILE tiles of num_idx_total positions."""
     num_tiles = max(1, triton.cdiv(num_idx_total, SPLIT_TILE))
     if num_splits is None:
-        sms = _device_facts(device)[0]
+        sms = _sm_count(device)
         num_splits = 1 if programs >= sms else min(triton.cdiv(2 * sms, programs), triton.cdiv(num_tiles, 2))
     return max(1, min(num_splits, num_tiles))
 
 
 def pick_config(batch: int, tokens: int, heads: int, head_dim: int, num_idx_total: int,
-                device: torch.device, num_splits: int | None = None, fp8_rows: bool = False,
-                max_shared: int | None = None) -> LaunchConfig:
-    """The launch config for these shapes; the tile choices below were compiled for sm_90/sm_120.
+                device: torch.device, num_splits: int | None = None, fp8_rows: bool = False) -> LaunchConfig:
+    """The launch config for these shapes: 16 heads of one token a program, all value columns.
 
-    max_shared: the shared memory bytes a block may use (None: what `device` offers), which sets
-    the bf16 pipeline depth.
-
-    bf16 rows: all heads of a token up to 64 share each gathered tile (MQA: one read for all). At
-    Dh 512 a [64, 512] f32 accumulator plus the QK operands would spill, so 64-head programs split
-    the value columns in halves (each recomputes QK over all dims; the second gather hits L2).
-    FP8 rows: 16 heads a program; the in-register dequantisation of a [32, 512] tile spills with
-    32 or 64 heads (>= 700 spill bytes a thread) and fits without spills at 16. Small grids split
-    the index positions (split-K) so that about two programs run per SM.
+    H200 sweep at B=64, H=64, Dh 512 (bench/bench_sparse_mla.py --sweep, bench/RESULTS.md): with
+    bf16 rows, 16 heads x 512 columns, 4 warps, 2 stages (50,304 B of shared memory on sm_90 and
+    sm_120) beat 64 heads with the value columns split over two programs (the widest MQA tile
+    reuse) by 1.3-1.6x (CSA T=1: 63.6 vs 99.1 us). FP8 rows: 8 warps, 1 stage (81,920 B): the
+    in-register dequantisation spills with more heads or stages. Small grids split the index
+    positions (split-K) so that about two programs run per SM.
     """
-    max_shared = max_shared or _device_facts(device)[1]
     block_d = triton.next_power_of_2(head_dim)
-    h_block = min(16 if fp8_rows else 64, max(16, triton.next_power_of_2(heads)))  # dot M >= 16
-    block_dv = block_d // 2 if h_block * block_d > 32 * 512 else block_d
-    programs = batch * tokens * triton.cdiv(heads, h_block) * (block_d // block_dv)
+    h_block = 16  # the smallest tl.dot M
+    programs = batch * tokens * triton.cdiv(heads, h_block)
     num_splits = split_count(programs, num_idx_total, device, num_splits)
     if fp8_rows:
         return LaunchConfig(h_block, block_d, SPLIT_TILE, num_splits, num_warps=8, num_stages=1)
-    stages = 1 if block_dv < block_d and max_shared < _TWO_STAGE_64_HEAD_SHARED else 2
-    return LaunchConfig(h_block, block_dv, SPLIT_TILE, num_splits, num_warps=4 if h_block == 16 else 8,
-                        num_stages=stages)
+    return LaunchConfig(h_block, block_d, SPLIT_TILE, num_splits, num_warps=4, num_stages=2)
 
 
 def _pool_args(rows: torch.Tensor, scales: torch.Tensor | None, layout: _Layout):

@@ -201,14 +201,16 @@ def test_gemv_all_tokens_on_one_expert():
 
 @pytest.mark.parametrize(
     "tokens, experts, expected",
-    [(1, 256, 1), (8, 256, 1), (64, 256, 2), (256, 256, 8), (512, 256, "dot16"), (4096, 256, "dot64")],
+    [(1, 256, "gemv"), (8, 256, "gemv"), (64, 256, "gemv"), (85, 256, "gemv"), (86, 256, "dot16"),
+     (256, 256, "dot16"), (682, 256, "dot16"), (683, 256, "dot64"), (4096, 256, "dot64")],
 )
 def test_size_class_rule(tokens, experts, expected):
-    """V4-Flash (k=6): decode and verify take the GEMV path, prefill-sized batches the dot path."""
+    """V4-Flash (k=6): decode up to 2 pairs per expert takes one-row GEMV blocks, verify (M=256)
+    and prefill the dot path."""
     assert moe.size_class(tokens * 6, experts) == expected
     config = moe.choose_config(tokens * 6, experts)
-    assert config.path == ("dot" if isinstance(expected, str) else "gemv")
-    assert config.block_m == (expected if isinstance(expected, int) else int(expected[3:]))
+    assert config.path == ("gemv" if expected == "gemv" else "dot")
+    assert config.block_m == (1 if expected == "gemv" else int(expected[3:]))
 
 
 @pytest.mark.parametrize(
