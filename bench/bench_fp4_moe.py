@@ -340,8 +340,8 @@ def sweep_case(fmt, tokens, cfg, w, timer, device, gen, candidates) -> list[dict
 def sweep_markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"# fp4_moe tile sweep ({meta['date']}, torch {meta['torch']}, triton {meta['triton']}, {meta['device']})",
              "", f"command: `{meta['command']}`", "",
-             "| fmt | M | path | BM | BN | BK | warps | stages | prefetch | default | ok (rel err) | graph ms | HBM frac "
-             "| shared B |",
+             "| fmt | M | path | BM | BN | BK | warps | stages | prefetch | default | ok (rel err) | graph ms "
+             "| HBM frac | shared B |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         c = r["config"]
@@ -350,9 +350,8 @@ def sweep_markdown(rows: list[dict], meta: dict) -> str:
         frac = f"{r['hbm_fraction']:.2f}" if "hbm_fraction" in r else "-"
         shared = ",".join(str(v) for v in r.get("shared", [])) or "cached"
         lines.append(f"| {r['fmt']} | {r['M']} | {c['path']} | {c['block_m']} | {c['block_n']} | {c['block_k']} "
-                     f"| {c['num_warps']} | {c['num_stages']} | {'yes' if c['prefetch'] else ''} | {'*' if r['default'] else ''} "
-                     f"| {ok} | {ms} | {frac} "
-                     f"| {shared} |")
+                     f"| {c['num_warps']} | {c['num_stages']} | {'yes' if c['prefetch'] else ''} "
+                     f"| {'*' if r['default'] else ''} | {ok} | {ms} | {frac} | {shared} |")
     lines += ["", "HBM frac: touched experts' bytes / 4.8 TB/s over the graph replay time. 'cached': the "
               "kernels were compiled by an earlier row. Shared memory must stay <= 101376 B."]
     return "\n".join(lines)

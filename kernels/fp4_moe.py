@@ -438,8 +438,10 @@ def _gate_up_gemv_kernel(
             c0, c4, c1, c5, c2, c6, c3, c7 = _decode_words(cur_words)
             scale = _block_scale(cur_s, IS_MX) * 16384.0
         else:
-            c0, c4, c1, c5, c2, c6, c3, c7 = _decode_words(_load_words(w_base, w_rows, col_mask, k0, stride_wn, BLOCK_K))
-            scale = _block_scale(_load_scales(s_base, w_rows, col_mask, k0, stride_sn, BLOCK_K, GROUP), IS_MX) * 16384.0
+            words = _load_words(w_base, w_rows, col_mask, k0, stride_wn, BLOCK_K)
+            c0, c4, c1, c5, c2, c6, c3, c7 = _decode_words(words)
+            s_raw = _load_scales(s_base, w_rows, col_mask, k0, stride_sn, BLOCK_K, GROUP)
+            scale = _block_scale(s_raw, IS_MX) * 16384.0
         for r in tl.static_range(BLOCK_M):
             row_ok = start + r < end
             token = tl.load(order_ptr + start + r, mask=row_ok, other=0) // TOP_K
@@ -496,8 +498,10 @@ def _down_gemv_kernel(
             c0, c4, c1, c5, c2, c6, c3, c7 = _decode_words(cur_words)
             scale = _block_scale(cur_s, IS_MX) * 16384.0
         else:
-            c0, c4, c1, c5, c2, c6, c3, c7 = _decode_words(_load_words(w_base, cols, col_mask, k0, stride_wn, BLOCK_K))
-            scale = _block_scale(_load_scales(s_base, cols, col_mask, k0, stride_sn, BLOCK_K, GROUP), IS_MX) * 16384.0
+            words = _load_words(w_base, cols, col_mask, k0, stride_wn, BLOCK_K)
+            c0, c4, c1, c5, c2, c6, c3, c7 = _decode_words(words)
+            s_raw = _load_scales(s_base, cols, col_mask, k0, stride_sn, BLOCK_K, GROUP)
+            scale = _block_scale(s_raw, IS_MX) * 16384.0
         for r in tl.static_range(BLOCK_M):
             act = hidden_ptr + (start + r).to(tl.int64) * stride_h + k0 // 8
             sums = _row_group_sums(c0, c4, c1, c5, c2, c6, c3, c7, act, I // 8, start + r < end, BLOCK_K, GROUP)
@@ -584,7 +588,7 @@ class TileConfig:
         if self.path == "dot" and self.block_m < 16:
             raise ValueError(f"TileConfig.block_m must be >= 16 for the dot path (tl.dot), got {self.block_m}")
         if self.prefetch and self.path != "gemv":
-            raise ValueError("TileConfig.prefetch applies to the gemv path only (the dot path pipelines via num_stages)")
+            raise ValueError("TileConfig.prefetch applies to the gemv path only (the dot path uses num_stages)")
 
 
 # Rows per expert block of the GEMV path, by average pairs per expert (M*k / E; a static shape
