@@ -268,8 +268,8 @@ def markdown(rows: list[dict], smem: list[dict], meta: dict) -> str:
     return "\n".join(lines)
 
 
-def _gemv(block_m, block_n, block_k, warps):
-    return moe.TileConfig("gemv", block_m, block_n, block_k, num_warps=warps)
+def _gemv(block_m, block_n, block_k, warps, prefetch=False):
+    return moe.TileConfig("gemv", block_m, block_n, block_k, num_warps=warps, prefetch=prefetch)
 
 
 def _dot(block_m, block_n, block_k, warps, stages):
@@ -278,15 +278,18 @@ def _dot(block_m, block_n, block_k, warps, stages):
 
 # Candidates per M at V4-Flash sizes (E=256, k=6), the default of each size class first. M=1 and 8
 # share their list (one size class) so they compile once; the dot entries are the pre-GEMV kernel.
-_DECODE = [_gemv(1, 16, 512, 4), _gemv(1, 8, 512, 2), _gemv(1, 16, 256, 4), _gemv(1, 32, 512, 8),
-           _gemv(1, 16, 1024, 4), _gemv(1, 64, 256, 8), _dot(16, 64, 128, 4, 2)]
+# The prefetch=True entries load the next K step's weights before decoding the current one (see
+# fp4_moe's GEMV path comment); configs that lost in every earlier sweep were dropped for them.
+_DECODE = [_gemv(1, 16, 512, 4), _gemv(1, 16, 256, 4), _gemv(1, 32, 512, 8), _dot(16, 64, 128, 4, 2),
+           _gemv(1, 16, 512, 4, True), _gemv(1, 16, 256, 4, True), _gemv(1, 32, 512, 8, True)]
 SWEEP_CANDIDATES = {
     1: _DECODE,
     8: _DECODE,
-    64: [_gemv(2, 16, 512, 4), _gemv(1, 16, 512, 4), _gemv(2, 32, 512, 8), _gemv(2, 16, 256, 4),
-         _gemv(4, 16, 512, 4), _gemv(2, 8, 512, 2), _dot(16, 64, 128, 4, 2), _dot(16, 32, 256, 4, 3)],
-    256: [_gemv(8, 16, 512, 8), _gemv(4, 16, 512, 4), _gemv(8, 32, 256, 8), _gemv(2, 16, 512, 4),
-          _dot(16, 64, 128, 4, 2), _dot(16, 128, 128, 8, 3), _dot(32, 64, 128, 4, 3)],
+    64: [_gemv(2, 16, 512, 4), _gemv(1, 16, 512, 4), _gemv(2, 16, 256, 4), _dot(16, 64, 128, 4, 2),
+         _dot(16, 32, 256, 4, 3), _gemv(1, 16, 512, 4, True), _gemv(2, 16, 512, 4, True),
+         _gemv(2, 16, 256, 4, True)],
+    256: [_gemv(8, 16, 512, 8), _gemv(4, 16, 512, 4), _gemv(2, 16, 512, 4), _dot(16, 64, 128, 4, 2),
+          _dot(16, 128, 128, 8, 3), _dot(32, 64, 128, 4, 3), _gemv(4, 16, 256, 4, True)],
 }
 
 
@@ -337,8 +340,9 @@ def sweep_case(fmt, tokens, cfg, w, timer, device, gen, candidates) -> list[dict
 def sweep_markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"# fp4_moe tile sweep ({meta['date']}, torch {meta['torch']}, triton {meta['triton']}, {meta['device']})",
              "", f"command: `{meta['command']}`", "",
-             "| fmt | M | path | BM | BN | BK | warps | stages | default | ok (rel err) | graph ms | HBM frac | shared B |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| fmt | M | path | BM | BN | BK | warps | stages | prefetch | default | ok (rel err) | graph ms "
+             "| HBM frac | shared B |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         c = r["config"]
         ok = f"{r['correct']} ({r['max_err_rel']:.1e})" if "max_err_rel" in r else f"False ({r.get('error', '')[:60]})"
@@ -346,8 +350,8 @@ def sweep_markdown(rows: list[dict], meta: dict) -> str:
         frac = f"{r['hbm_fraction']:.2f}" if "hbm_fraction" in r else "-"
         shared = ",".join(str(v) for v in r.get("shared", [])) or "cached"
         lines.append(f"| {r['fmt']} | {r['M']} | {c['path']} | {c['block_m']} | {c['block_n']} | {c['block_k']} "
-                     f"| {c['num_warps']} | {c['num_stages']} | {'*' if r['default'] else ''} | {ok} | {ms} | {frac} "
-                     f"| {shared} |")
+                     f"| {c['num_warps']} | {c['num_stages']} | {'yes' if c['prefetch'] else ''} "
+                     f"| {'*' if r['default'] else ''} | {ok} | {ms} | {frac} | {shared} |")
     lines += ["", "HBM frac: touched experts' bytes / 4.8 TB/s over the graph replay time. 'cached': the "
               "kernels were compiled by an earlier row. Shared memory must stay <= 101376 B."]
     return "\n".join(lines)
@@ -384,7 +388,8 @@ def main() -> None:
 
     if args.smoke:
         cfg = dict(E=8, K=64, I=32, k=2, Ms=(1, 4), compile_bytes=1 << 40,
-                   candidates={m: [_gemv(1, 16, 64, 4), _gemv(2, 8, 32, 2), _dot(16, 32, 32, 4, 1)] for m in (1, 4)})
+                   candidates={m: [_gemv(1, 16, 64, 4), _gemv(2, 8, 32, 2), _gemv(2, 8, 32, 2, True),
+                                       _dot(16, 32, 32, 4, 1)] for m in (1, 4)})
         device = "cpu"
         if os.environ.get("TRITON_INTERPRET") != "1":
             raise SystemExit("--smoke runs the kernels under the interpreter: set TRITON_INTERPRET=1")

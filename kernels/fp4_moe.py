@@ -305,7 +305,14 @@ def _down_kernel(
 # activations and sums each scale group in registers; the group scale is applied once per group
 # and the cross-thread reduction over K happens once, after the K loop. Each row's activations are
 # loaded as their own [1, 1, BLOCK_K // 8] tensor: a [BLOCK_M, ...] activation load would make
-# Triton spread warps over rows and move the decoded weights through shared memory instead. The activations are read in "word-major" order, act[m, q, j] = a[m, 8j + q]
+# Triton spread warps over rows and move the decoded weights through shared memory instead.
+# TileConfig.prefetch (PREFETCH) issues the next K step's weight and scale loads before decoding the
+# current step. Triton 3.6 does not pipeline loops without tl.dot, and ptxas places loads late, next
+# to their first use: in the sm_90 SASS of the plain loop a thread's 4 LDG.128 of weights are issued
+# and awaited one after another (16 bytes in flight per thread), and even loop-carried prefetch
+# loads are sunk to the end of the loop body. A CTA barrier right after them keeps them at the top,
+# so they are in flight during the whole decode (one more bar.sync per step; the loop has two).
+# The activations are read in "word-major" order, act[m, q, j] = a[m, 8j + q]
 # (`word_major`), so the q-th codes of consecutive words meet contiguous activations. Parallelism
 # comes from N: at M=1 the 6 experts x 4096 rows give 24576 rows, some 1500 programs with
 # BLOCK_N=16 for 132 SMs, so no split over K is needed.
@@ -342,30 +349,33 @@ def _e2m1_pair_times_2pow_minus14(words, Q: tl.constexpr):
 
 
 @triton.jit
-def _load_decoded_words(w_ptr, rows, row_mask, k0, stride_w, BLOCK_K: tl.constexpr):
+def _load_words(w_ptr, rows, row_mask, k0, stride_w, BLOCK_K: tl.constexpr):
     """FP4 rows `rows` [BN] (int32 words, row stride `stride_w` words), columns [k0, k0 + BLOCK_K) ->
-    8 tensors [1, BN, BLOCK_K // 8] f32 (value * 2**-14): codes 0, 4, 1, 5, 2, 6, 3, 7 of each word.
+    int32 words [1, BN, BLOCK_K // 8], zeros where not row_mask.
 
     The words are loaded as [1, BN, BLOCK_K // 8] so that their layout (contiguous words per thread)
     is the layout of every product below: the weights never move between threads.
     """
     jw = tl.arange(0, BLOCK_K // 8)
-    words = tl.load(w_ptr + rows[None, :, None] * stride_w + (k0 // 8 + jw)[None, None, :],
-                    mask=row_mask[None, :, None], other=0)
+    return tl.load(w_ptr + rows[None, :, None] * stride_w + (k0 // 8 + jw)[None, None, :],
+                   mask=row_mask[None, :, None], other=0)
+
+
+@triton.jit
+def _load_scales(s_ptr, rows, row_mask, k0, stride_s, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    """Scale bytes of rows [BN], columns [k0, k0 + BLOCK_K) -> [1, BN, BLOCK_K // GROUP] uint8."""
+    offs = rows[None, :, None] * stride_s + (k0 // GROUP + tl.arange(0, BLOCK_K // GROUP))[None, None, :]
+    return tl.load(s_ptr + offs, mask=row_mask[None, :, None], other=0)
+
+
+@triton.jit
+def _decode_words(words):
+    """int32 words [1, BN, W] -> 8 tensors [1, BN, W] f32 (value * 2**-14): codes 0, 4, 1, 5, 2, 6, 3, 7."""
     c0, c4 = _e2m1_pair_times_2pow_minus14(words, 0)
     c1, c5 = _e2m1_pair_times_2pow_minus14(words, 1)
     c2, c6 = _e2m1_pair_times_2pow_minus14(words, 2)
     c3, c7 = _e2m1_pair_times_2pow_minus14(words, 3)
     return c0, c4, c1, c5, c2, c6, c3, c7
-
-
-@triton.jit
-def _load_group_scales(s_ptr, rows, row_mask, k0, stride_s,
-                       BLOCK_K: tl.constexpr, GROUP: tl.constexpr, IS_MX: tl.constexpr):
-    """Scales of rows [BN], columns [k0, k0 + BLOCK_K) -> [1, BN, BLOCK_K // GROUP] f32 (times 2**14)."""
-    offs = rows[None, :, None] * stride_s + (k0 // GROUP + tl.arange(0, BLOCK_K // GROUP))[None, None, :]
-    s_raw = tl.load(s_ptr + offs, mask=row_mask[None, :, None], other=0)
-    return _block_scale(s_raw, IS_MX) * 16384.0
 
 
 @triton.jit
@@ -396,7 +406,7 @@ def _gate_up_gemv_kernel(
     LIMIT,
     K: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
     HAS_LIMIT: tl.constexpr, IS_MX: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """x word-major f32 [M, 8, K/8], w13 as int32 words -> hidden word-major f32 [M*k, 8, I/8]
     (rows in sorted-pair order)."""
@@ -415,9 +425,23 @@ def _gate_up_gemv_kernel(
     s_base = s13_ptr + expert.to(tl.int64) * stride_se
     row_id = tl.arange(0, BLOCK_M)[:, None, None]
     acc = tl.zeros((BLOCK_M, 2 * BLOCK_N, BLOCK_K // GROUP), dtype=tl.float32)
+    if PREFETCH:
+        words = _load_words(w_base, w_rows, col_mask, 0, stride_wn, BLOCK_K)
+        s_raw = _load_scales(s_base, w_rows, col_mask, 0, stride_sn, BLOCK_K, GROUP)
     for k0 in range(0, K, BLOCK_K):
-        c0, c4, c1, c5, c2, c6, c3, c7 = _load_decoded_words(w_base, w_rows, col_mask, k0, stride_wn, BLOCK_K)
-        scale = _load_group_scales(s_base, w_rows, col_mask, k0, stride_sn, BLOCK_K, GROUP, IS_MX)
+        if PREFETCH:  # see the GEMV path comment
+            next_mask = col_mask & (k0 + BLOCK_K < K)
+            cur_words, cur_s = words, s_raw
+            words = _load_words(w_base, w_rows, next_mask, k0 + BLOCK_K, stride_wn, BLOCK_K)
+            s_raw = _load_scales(s_base, w_rows, next_mask, k0 + BLOCK_K, stride_sn, BLOCK_K, GROUP)
+            tl.debug_barrier()
+            c0, c4, c1, c5, c2, c6, c3, c7 = _decode_words(cur_words)
+            scale = _block_scale(cur_s, IS_MX) * 16384.0
+        else:
+            words = _load_words(w_base, w_rows, col_mask, k0, stride_wn, BLOCK_K)
+            c0, c4, c1, c5, c2, c6, c3, c7 = _decode_words(words)
+            s_raw = _load_scales(s_base, w_rows, col_mask, k0, stride_sn, BLOCK_K, GROUP)
+            scale = _block_scale(s_raw, IS_MX) * 16384.0
         for r in tl.static_range(BLOCK_M):
             row_ok = start + r < end
             token = tl.load(order_ptr + start + r, mask=row_ok, other=0) // TOP_K
@@ -446,7 +470,7 @@ def _down_gemv_kernel(
     E,
     stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_o,
     K: tl.constexpr, I: tl.constexpr, IS_MX: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """hidden word-major f32 [M*k, 8, I/8], w2 as int32 words -> weighted pair outputs [M*k, K] f32."""
     block = tl.program_id(0)
@@ -461,9 +485,23 @@ def _down_gemv_kernel(
     s_base = s2_ptr + expert.to(tl.int64) * stride_se
     row_id = tl.arange(0, BLOCK_M)[:, None, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // GROUP), dtype=tl.float32)
+    if PREFETCH:
+        words = _load_words(w_base, cols, col_mask, 0, stride_wn, BLOCK_K)
+        s_raw = _load_scales(s_base, cols, col_mask, 0, stride_sn, BLOCK_K, GROUP)
     for k0 in range(0, I, BLOCK_K):
-        c0, c4, c1, c5, c2, c6, c3, c7 = _load_decoded_words(w_base, cols, col_mask, k0, stride_wn, BLOCK_K)
-        scale = _load_group_scales(s_base, cols, col_mask, k0, stride_sn, BLOCK_K, GROUP, IS_MX)
+        if PREFETCH:  # see the GEMV path comment
+            next_mask = col_mask & (k0 + BLOCK_K < I)
+            cur_words, cur_s = words, s_raw
+            words = _load_words(w_base, cols, next_mask, k0 + BLOCK_K, stride_wn, BLOCK_K)
+            s_raw = _load_scales(s_base, cols, next_mask, k0 + BLOCK_K, stride_sn, BLOCK_K, GROUP)
+            tl.debug_barrier()
+            c0, c4, c1, c5, c2, c6, c3, c7 = _decode_words(cur_words)
+            scale = _block_scale(cur_s, IS_MX) * 16384.0
+        else:
+            words = _load_words(w_base, cols, col_mask, k0, stride_wn, BLOCK_K)
+            c0, c4, c1, c5, c2, c6, c3, c7 = _decode_words(words)
+            s_raw = _load_scales(s_base, cols, col_mask, k0, stride_sn, BLOCK_K, GROUP)
+            scale = _block_scale(s_raw, IS_MX) * 16384.0
         for r in tl.static_range(BLOCK_M):
             act = hidden_ptr + (start + r).to(tl.int64) * stride_h + k0 // 8
             sums = _row_group_sums(c0, c4, c1, c5, c2, c6, c3, c7, act, I // 8, start + r < end, BLOCK_K, GROUP)
@@ -528,7 +566,8 @@ class TileConfig:
 
     path: "gemv" (no tl.dot; for expert blocks of a few rows) or "dot" (tl.dot / tl.dot_scaled).
     block_m: pair rows per expert block; block_n: output columns per program; block_k: reduction
-    columns per loop step (clamped to what divides K and I, see `_fit_block_k`).
+    columns per loop step (clamped to what divides K and I, see `_fit_block_k`); prefetch (GEMV path
+    only): load the next K step's weights before decoding the current one (see the GEMV path comment).
     """
 
     path: str
@@ -537,6 +576,7 @@ class TileConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 1
+    prefetch: bool = False
 
     def __post_init__(self):
         if self.path not in ("gemv", "dot"):
@@ -547,6 +587,8 @@ class TileConfig:
                 raise ValueError(f"TileConfig.{name} must be a power of two, got {value}")
         if self.path == "dot" and self.block_m < 16:
             raise ValueError(f"TileConfig.block_m must be >= 16 for the dot path (tl.dot), got {self.block_m}")
+        if self.prefetch and self.path != "gemv":
+            raise ValueError("TileConfig.prefetch applies to the gemv path only (the dot path uses num_stages)")
 
 
 # The path by average pairs per expert (M*k / E; a static shape fact, so the choice is
@@ -627,6 +669,7 @@ def fp4_moe_pairs_triton(
                   num_warps=config.num_warps, num_stages=config.num_stages)
     if config.path == "gemv":
         gate_up, down = _gate_up_gemv_kernel, _down_gemv_kernel
+        common.update(PREFETCH=config.prefetch)
         x, w13, w2 = word_major(x.float()), _as_words(w13), _as_words(w2)
     else:
         gate_up, down = _gate_up_kernel, _down_kernel

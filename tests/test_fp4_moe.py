@@ -39,6 +39,8 @@ FORCED_CONFIGS = [
     moe.TileConfig("gemv", 2, 16, 128, num_warps=2),
     moe.TileConfig("gemv", 4, 32, 64),
     moe.TileConfig("dot", 16, 32, 32, num_stages=2),
+    moe.TileConfig("gemv", 1, 32, 32, prefetch=True),
+    moe.TileConfig("gemv", 2, 16, 64, num_warps=2, prefetch=True),
 ]
 
 
@@ -170,12 +172,18 @@ def test_fake_and_compile():
     assert_close_scaled(got, 2 * moe.fp4_moe_reference(*_args(x, ids, weights, w, 1.0)), torch.float32)
 
 
-@pytest.mark.parametrize("path_config", [moe.TileConfig("gemv", 2, 32, 64), moe.TileConfig("dot", 16, 32, 64)],
-                         ids=["gemv", "dot"])
+@pytest.mark.parametrize(
+    "path_config",
+    [moe.TileConfig("gemv", 2, 32, 64), moe.TileConfig("dot", 16, 32, 64),
+     moe.TileConfig("gemv", 2, 32, 32, prefetch=True), moe.TileConfig("gemv", 1, 16, 64, prefetch=True)],
+    ids=["gemv", "dot", "gemv_prefetch", "gemv_prefetch_one_down_step"],
+)
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 def test_each_path_matches_reference(path_config, fmt):
     """Both paths regardless of the selection rule: -1 ids, an expert with more rows than one block
-    (skewed), empty experts, swiglu_limit; poisoned outputs; K and I that span several K steps."""
+    (skewed), empty experts, swiglu_limit; poisoned outputs; K and I that span several K steps (the
+    prefetching GEMV loop also with a single step over I = BLOCK_K, where it only loads past the end,
+    masked)."""
     experts, hidden, inter, tokens, top_k = 8, 128, 64, 7, 3
     w = make_experts(fmt, experts, hidden, inter, seed=11)
     ids, weights = make_routing(tokens, top_k, experts, "skewed", seed=11)
@@ -189,12 +197,14 @@ def test_each_path_matches_reference(path_config, fmt):
     assert_close_scaled(moe.combine_pairs(pairs, ids, experts, x.dtype), want, torch.float32)
 
 
-def test_gemv_all_tokens_on_one_expert():
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_gemv_all_tokens_on_one_expert(prefetch):
     """Every pair on one expert: one run of blocks, all other experts empty (bf16 x)."""
     w = make_experts("nvfp4", 4, 64, 32, seed=13)
     ids, weights = make_routing(9, 2, 4, "one_expert", seed=13)
     x = torch.randn(9, 64, generator=torch.Generator().manual_seed(14)).to(torch.bfloat16)
-    pairs = moe.fp4_moe_pairs_triton(*_args(x, ids, weights, w, None), config=moe.TileConfig("gemv", 4, 16, 64))
+    config = moe.TileConfig("gemv", 4, 16, 32, prefetch=prefetch)
+    pairs = moe.fp4_moe_pairs_triton(*_args(x, ids, weights, w, None), config=config)
     want = moe.fp4_moe_reference(*_args(x, ids, weights, w, None))
     assert_close_scaled(moe.combine_pairs(pairs, ids, 4, x.dtype), want, torch.bfloat16)
 
@@ -216,7 +226,7 @@ def test_size_class_rule(tokens, experts, expected):
 @pytest.mark.parametrize(
     "kwargs, match",
     [(dict(path="mma"), "path"), (dict(block_n=24), "block_n"), (dict(block_k=0), "block_k"),
-     (dict(path="dot", block_m=8), "block_m")],
+     (dict(path="dot", block_m=8), "block_m"), (dict(path="dot", block_m=16, prefetch=True), "prefetch")],
 )
 def test_tile_config_rejects_bad_values(kwargs, match):
     base = dict(path="gemv", block_m=1, block_n=16, block_k=64)
