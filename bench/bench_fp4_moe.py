@@ -276,8 +276,8 @@ def _dot(block_m, block_n, block_k, warps, stages):
     return moe.TileConfig("dot", block_m, block_n, block_k, num_warps=warps, num_stages=stages)
 
 
-# Candidates per M at V4-Flash sizes (E=256, k=6), the default of each size class first. M=1 and 8
-# share their list (one size class) so they compile once; the dot entries are the pre-GEMV kernel.
+# Candidates per M at V4-Flash sizes (E=256, k=6); the table marks the default (`choose_config`). M=1
+# and 8 share their list (one size class) so they compile once; the dot entries are the pre-GEMV kernel.
 # The prefetch=True entries load the next K step's weights before decoding the current one (see
 # fp4_moe's GEMV path comment); configs that lost in every earlier sweep were dropped for them.
 _DECODE = [_gemv(1, 16, 512, 4), _gemv(1, 16, 256, 4), _gemv(1, 32, 512, 8), _dot(16, 64, 128, 4, 2),

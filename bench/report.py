@@ -304,7 +304,8 @@ def write_plots(out: Path, results: dict) -> list[str]:
             shares = [next((k["share"] for k in found["kernels"] if k["name"] == name), 0.0) if name != "(other)"
                       else 1.0 - sum(k["share"] for k in found["kernels"] if k["name"] in names)
                       for _, found in profiled]
-            ax.barh(labels, shares, left=left, label=name[:70])
+            # matplotlib leaves labels that start with "_" out of the legend (Triton kernel names do)
+            ax.barh(labels, shares, left=left, label=name[:70].lstrip("_"))
             left = [a + b for a, b in zip(left, shares)]
         ax.set(xlabel="share of the step's kernel time (kernel time per step in brackets)", xlim=(0, 1),
                title="optimize() step time by kernel (torch.profiler)")

@@ -12,6 +12,8 @@ these sizes. Prints one line per case and exits non-zero on a mismatch.
 """
 from __future__ import annotations
 
+import argparse
+
 import math
 import sys
 import time
@@ -135,13 +137,22 @@ def large_pool_cases(gen: torch.Generator) -> None:
           f"(max abs err {err:.2e})", flush=True)
 
 
+CASES = {"indexer": indexer_cases, "sparse_mla": lambda gen: sparse_mla_cases(),
+         "fp4_moe": fp4_moe_cases, "large_pools": large_pool_cases}
+
+
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default=",".join(CASES),
+                        help=f"comma list of case groups to run (default all: {','.join(CASES)})")
+    groups = [g.strip() for g in parser.parse_args().only.split(",") if g.strip()]
+    unknown = set(groups) - set(CASES)
+    if unknown:
+        parser.error(f"--only takes {sorted(CASES)}; got {sorted(unknown)}")
     started = time.monotonic()
     gen = torch.Generator(device=DEVICE).manual_seed(0)
-    indexer_cases(gen)
-    sparse_mla_cases()
-    fp4_moe_cases(gen)
-    large_pool_cases(gen)
+    for group in groups:
+        CASES[group](gen)
     print(f"all kernels ran in {math.ceil(time.monotonic() - started)} s", flush=True)
     return 0
 

@@ -597,13 +597,12 @@ class TileConfig:
 # vs 0.195 ms dot); at ~2 (M=64) one-row GEMV blocks (2.23 / 2.47 ms MXFP4 / NVFP4) match the best
 # of two-row blocks (2.47 / 2.36) and the dot path (2.52 / 2.41), although each pair re-reads its
 # expert's weights (mostly from L2: the blocks of one expert are adjacent in the grid); at 6
-# (M=256, verify) the dot path is twice as fast as any GEMV block (3.27 vs 6.75 ms).
+# (M=256, verify) the dot path is twice as fast as any GEMV block (3.27 vs 6.75 ms). Those GEMV
+# times were without prefetch; the default prefetches (see the GEMV path comment: the plain loop
+# awaits its weight loads one after another), which bench/RESULTS.md compares in one sweep.
 GEMV_MAX_ROWS = 2
-# num_stages only matters on the dot path: Triton 3.6 software-pipelines loads only in loops with
-# a tl.dot, so the GEMV kernels keep bytes in flight through several programs per SM instead
-# (sm_90 builds: 48-95 registers per thread at one row, i.e. 5+ resident programs of 4 warps).
 DEFAULT_CONFIGS = {
-    "gemv": TileConfig("gemv", 1, 16, 512, num_warps=4),
+    "gemv": TileConfig("gemv", 1, 16, 512, num_warps=4, prefetch=True),
     "dot16": TileConfig("dot", 16, 64, 128, num_warps=4, num_stages=2),
     "dot64": TileConfig("dot", 64, 64, 128, num_warps=4, num_stages=2),
 }
