@@ -33,7 +33,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--parts", default=None,
                         help="comma list of e2e,kernels (default: full both, otherwise e2e)")
     parser.add_argument("--groups", default=None,
-                        help="only these (B x T) groups of the mode, e.g. 16x1,16x4 (to split --full over commands)")
+                        help="only these (B x T) groups of the mode, run in the order given, e.g. 16x1,16x4 (to split --full over commands)")
     args = parser.parse_args(argv)
     parts = args.parts or ("e2e,kernels" if args.suite == "full" else "e2e")
     args.parts = [p.strip() for p in parts.split(",") if p.strip()]

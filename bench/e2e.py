@@ -439,11 +439,12 @@ def run_suite(suite: Suite, out: Path, budget_s: float, command: str, started: f
 
 
 def select_groups(suite: Suite, wanted: str | None) -> Suite:
-    """The suite restricted to the groups named in `wanted` ("64x1,1x4": B x T), in its order."""
+    """The suite restricted to the groups named in `wanted` ("64x1,1x4": B x T), run in that order."""
     if not wanted:
         return suite
-    names = {name.strip() for name in wanted.split(",") if name.strip()}
-    known = {f"{g.batch}x{g.tokens}" for g in suite.groups}
-    if not names <= known:
-        raise ValueError(f"--groups must name groups of --{suite.name} ({sorted(known)}); got {sorted(names - known)}")
-    return dataclasses.replace(suite, groups=tuple(g for g in suite.groups if f"{g.batch}x{g.tokens}" in names))
+    names = list(dict.fromkeys(name.strip() for name in wanted.split(",") if name.strip()))
+    by_name = {f"{g.batch}x{g.tokens}": g for g in suite.groups}
+    unknown = [name for name in names if name not in by_name]
+    if unknown:
+        raise ValueError(f"--groups must name groups of --{suite.name} ({sorted(by_name)}); got {unknown}")
+    return dataclasses.replace(suite, groups=tuple(by_name[name] for name in names))

@@ -597,9 +597,11 @@ class TileConfig:
 # vs 0.195 ms dot); at ~2 (M=64) one-row GEMV blocks (2.23 / 2.47 ms MXFP4 / NVFP4) match the best
 # of two-row blocks (2.47 / 2.36) and the dot path (2.52 / 2.41), although each pair re-reads its
 # expert's weights (mostly from L2: the blocks of one expert are adjacent in the grid); at 6
-# (M=256, verify) the dot path is twice as fast as any GEMV block (3.27 vs 6.75 ms). Those GEMV
-# times were without prefetch; the default prefetches (see the GEMV path comment: the plain loop
-# awaits its weight loads one after another), which bench/RESULTS.md compares in one sweep.
+# (M=256, verify) the dot path is twice as fast as any GEMV block (3.27 vs 6.75 ms). Prefetching
+# (see the GEMV path comment) changed the one-row GEMV by -5% to +1% in the same sweep (MXFP4 M=8
+# 0.387 -> 0.368 ms, M=64 2.235 -> 2.194; NVFP4 M=64 2.469 -> 2.495): the loop is bound by its
+# instructions per weight byte, not by load latency. The default prefetches (the end-to-end runs
+# of bench/RESULTS.md used it).
 GEMV_MAX_ROWS = 2
 DEFAULT_CONFIGS = {
     "gemv": TileConfig("gemv", 1, 16, 512, num_warps=4, prefetch=True),

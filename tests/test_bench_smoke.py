@@ -53,3 +53,19 @@ def test_smoke_mode_runs_every_case_and_the_variants_agree(tmp_path):
         assert graph["status"] == "ok"
         assert graph["pass_matches"] == {"indexer": 2, "sparse_mla": 4, "fp4_moe": 4}
     assert all(c["breakdown"]["optimize"]["kernels"] for c in cases if c["B"] == 2)
+
+
+def test_groups_run_in_the_order_named_and_unknown_ones_are_refused(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))
+    from bench import e2e
+
+    quick = e2e.SUITES["quick"]
+    chosen = e2e.select_groups(quick, "1x4, 64x4,1x4")
+    assert [(g.batch, g.tokens) for g in chosen.groups] == [(1, 4), (64, 4)]
+    assert e2e.select_groups(quick, None) is quick
+    try:
+        e2e.select_groups(quick, "64x1,16x1")
+    except ValueError as exc:
+        assert "16x1" in str(exc) and "--quick" in str(exc)
+    else:
+        raise AssertionError("16x1 is not a --quick group and must be refused")
