@@ -12,7 +12,8 @@ bytes / 4.8e12 (every distinct KV row of a request read once, q, idx read once, 
 once) and FLOPs / 7.9e14 (4 * Dh per head per selected row). The grid is subsampled (see
 `cases`); torch.compile of the reference only runs on the B=64 cases and the FlashMLA config
 to keep compile time small. Shared memory of every compiled config is recorded, on this GPU and
-cross-compiled for sm_120 (the config pick_config chooses there), the latter asserted <= 101,376 B.
+cross-compiled for sm_120 (pick_config's tiles do not depend on the GPU, only its split counts
+do), the latter asserted <= 101,376 B.
 Writes DIR/sparse_mla.json and DIR/sparse_mla.md and prints the table last. --sweep instead checks
 and times SWEEP_CONFIGS at B=64 (DIR/sparse_mla_sweep.md).
 """
@@ -345,7 +346,7 @@ def markdown(results: list[Result], summary: dict, shared: dict, local: dict) ->
             f"{r.eager_us / r.kernel_us:.1f}x | {r.max_abs_err:.3g}{'' if r.correct else ' FAIL'} | {cfg} |")
     lines += ["", "## Summary", ""]
     lines += [f"- {k}: {v}" for k, v in summary.items()]
-    lines += ["", "## Shared memory per compiled config, sm_120's choice (limit 101,376 B)", ""]
+    lines += ["", "## Shared memory per compiled config, cross-compiled for sm_120 (limit 101,376 B)", ""]
     lines += [f"- {k}: {v}" for k, v in shared.items()]
     lines += ["", "## Shared memory of the configs run on this GPU", ""]
     lines += [f"- {k}: {v}" for k, v in local.items()]

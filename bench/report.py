@@ -1,6 +1,7 @@
 """The bench's outputs: DIR/e2e.json, DIR/e2e.md (tables, targets) and PNG plots."""
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -31,6 +32,17 @@ def _git_commit() -> str:
         return "unknown (no git checkout)"
 
 
+def source_hash() -> str:
+    """sha256 (12 hex digits) of the package and bench sources (*.py under dsv4_compile/, passes/,
+    kernels/, lowerings/, bench/, by relative path): names the code that ran even where the
+    checkout's git metadata is stale or missing (`python bench/report.py` prints it for a checkout)."""
+    digest = hashlib.sha256()
+    for folder in ("dsv4_compile", "passes", "kernels", "lowerings", "bench"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            digest.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
+
+
 def new_results(suite, command: str, device: torch.device) -> dict:
     """The results skeleton: meta (command, date, commit, versions, device), tolerance, and empty
     setup / compile / cases / notes."""
@@ -40,7 +52,7 @@ def new_results(suite, command: str, device: torch.device) -> dict:
     return {
         "meta": {
             "suite": suite.name, "command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "git_commit": _git_commit(), "torch": torch.__version__, "triton": triton.__version__,
+            "git_commit": _git_commit(), "source_hash": source_hash(), "torch": torch.__version__, "triton": triton.__version__,
             "transformers": transformers.__version__, "python": platform.python_version(),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "contexts": list(suite.contexts), "groups": [[g.batch, g.tokens, list(g.variants)] for g in suite.groups],
@@ -215,7 +227,7 @@ def markdown(results: dict) -> str:
     meta, setup = results["meta"], results["setup"]
     lines = [f"# End-to-end DeepSeek-V4 step ({meta['suite']})", "",
              f"- command: `{meta['command']}`",
-             f"- date: {meta['date']}; git commit: {meta['git_commit']}",
+             f"- date: {meta['date']}; git commit: {meta['git_commit']}; sources sha256 {meta.get('source_hash', '-')}",
              f"- torch {meta['torch']}, triton {meta['triton']}, transformers {meta['transformers']}, "
              f"Python {meta['python']}; device: {meta['device']}"]
     if setup:
@@ -315,3 +327,7 @@ def write_plots(out: Path, results: dict) -> list[str]:
         plt.close(fig)
         written.append("step_breakdown.png")
     return written
+
+
+if __name__ == "__main__":
+    print(source_hash())
