@@ -31,7 +31,8 @@ import torch
 
 import dsv4_compile
 from bench import report
-from bench.measure import compare_logits, kernel_breakdown, make_timer, synchronize, timed_first_call
+from bench.measure import (compare_logits, compile_phase_seconds, kernel_breakdown, make_timer, synchronize,
+                           timed_first_call)
 from bench.slice_model import (FULL_MODEL_LAYERS, build_slice, cache_bytes_by_kind, decisive_routing,
                                fill_caches_, smoke_model)
 
@@ -294,6 +295,7 @@ class E2EBench:
         skips_before = counters["inductor"]["cudagraph_skips"]
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        phases_before = compile_phase_seconds()
         try:
             _, seconds = timed_first_call(step, self.device)
             for _ in range(2 if self.device.type == "cuda" else 0):  # CUDA-graph trees record on a later call
@@ -304,7 +306,8 @@ class E2EBench:
             seconds, outcome = None, f"OOM: {str(exc).splitlines()[0][:200]}"
         except Exception as exc:  # recorded; the other variants still run
             seconds, outcome = None, f"error: {type(exc).__name__}: {str(exc)[:300]}"
-        extra = {"cudagraph_skips": counters["inductor"]["cudagraph_skips"] - skips_before}
+        extra = {"cudagraph_skips": counters["inductor"]["cudagraph_skips"] - skips_before,
+                 "phases_s": compile_phases(phases_before, compile_phase_seconds(), seconds)}
         if self.device.type == "cuda":
             extra["peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
         if variant == "optimize":
@@ -436,6 +439,28 @@ def run_suite(suite: Suite, out: Path, budget_s: float, command: str, started: f
     finally:
         bench.release()
     return bench.results
+
+
+# torch's timed compile phases worth reading side by side (names of torch 2.11-2.13; nested: the
+# inductor ones run inside call_user_compiler, which runs inside compile_inner)
+COMPILE_PHASES = (
+    ("_compile.compile_inner", "dynamo total"),
+    ("bytecode_tracing", "tracing"),
+    ("OutputGraph.call_user_compiler", "AOT + inductor"),
+    ("pass.post_grad_passes.post_grad_custom_post_pass", "dsv4 passes"),
+    ("GraphLowering.compile_to_module", "inductor codegen + load"),
+    ("async_compile.wait", "waiting for kernel builds"),
+)
+
+
+def compile_phases(before: dict[str, float], after: dict[str, float], first_call_s: float | None) -> dict[str, float]:
+    """Seconds of COMPILE_PHASES between two compile_phase_seconds() snapshots, and of the first
+    call outside dynamo's compile (the graph's first runs and the CUDA-graph warm-up)."""
+    grown = {label: round(after[name] - before.get(name, 0.0), 1) for name, label in COMPILE_PHASES if name in after}
+    phases = {label: t for label, t in grown.items() if t >= 0.05}
+    if first_call_s is not None and "dynamo total" in grown:
+        phases["outside dynamo"] = round(max(0.0, first_call_s - grown["dynamo total"]), 1)
+    return phases
 
 
 def select_groups(suite: Suite, wanted: str | None) -> Suite:

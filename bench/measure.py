@@ -46,6 +46,15 @@ def timed_first_call(fn: Step, device: torch.device) -> tuple[Any, float]:
     return out, time.perf_counter() - start
 
 
+def compile_phase_seconds() -> dict[str, float]:
+    """Cumulative seconds of each phase torch times while compiling (dynamo's
+    compilation_time_metrics: tracing, AOT, inductor lowering and codegen, waits on Triton and C++
+    builds, the post-grad passes, ...). Phases nest, so they do not add up to the total."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return {name: sum(times) for name, times in compilation_time_metrics.items()}
+
+
 def _event_time_us(event: Any, device: torch.device) -> float:
     if device.type == "cuda":
         value = getattr(event, "self_device_time_total", None)

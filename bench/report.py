@@ -156,16 +156,18 @@ def _case_table(results: dict) -> list[str]:
 
 
 def _compile_table(results: dict) -> list[str]:
-    lines = ["| B | T | variant | compile s (first call) | status | peak GB | cudagraph skips | dsv4 passes matched |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| B | T | variant | compile s (first call) | status | peak GB | cudagraph skips | dsv4 passes matched "
+             "| compile phases, s (nested) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for c in results["compile"]:
         seconds = "-" if c["seconds"] is None else f"{c['seconds']:.1f}"
         passes = ", ".join(f"{k} {v}" for k, v in c.get("pass_matches", {}).items())
         if c.get("pass_declines"):
             passes += "; declined: " + "; ".join(c["pass_declines"])
         peak = f"{c['peak_gb']:.1f}" if "peak_gb" in c else "-"
+        phases = ", ".join(f"{name} {t:.1f}" for name, t in c.get("phases_s", {}).items())
         lines.append(f"| {c['B']} | {c['T']} | {VARIANT_NAMES[c['variant']]} | {seconds} | {c['status']} | {peak} | "
-                     f"{c.get('cudagraph_skips', '-')} | {passes or '-'} |")
+                     f"{c.get('cudagraph_skips', '-')} | {passes or '-'} | {phases or '-'} |")
     return lines
 
 
