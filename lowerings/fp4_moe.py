@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import torch
 from torch._inductor import ir
-from torch._inductor.lowering import fallback_handler, lowerings, register_lowering
+from torch._inductor.lowering import fallback_handler
 from torch._inductor.virtualized import ops
 
 import dsv4_compile.kernels.fp4_moe  # noqa: F401  (registers dsv4::fp4_moe and dsv4::fp4_moe_pairs)
-
-_installed = None
+from dsv4_compile.lowerings.install import install_lowering
 
 
 def _combine(pairs: ir.TensorBox, topk_ids: ir.TensorBox, experts: int, dtype: torch.dtype) -> ir.TensorBox:
@@ -53,9 +52,5 @@ def _lower_fp4_moe(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, fmt,
 
 
 def register() -> None:
-    """Install the dsv4::fp4_moe lowering (idempotent; re-installs if something replaced it)."""
-    global _installed
-    op = torch.ops.dsv4.fp4_moe.default
-    if _installed is not None and lowerings.get(op) is _installed:
-        return
-    _installed = register_lowering(op, type_promotion_kind=None)(_lower_fp4_moe)
+    """Install the dsv4::fp4_moe lowering (idempotent)."""
+    install_lowering(torch.ops.dsv4.fp4_moe.default, _lower_fp4_moe)

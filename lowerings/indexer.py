@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import torch
 from torch._inductor import ir
-from torch._inductor.lowering import fallback_handler, lowerings, register_lowering
+from torch._inductor.lowering import fallback_handler
 from torch._inductor.virtualized import ops
 
 from dsv4_compile.kernels.indexer_physical import PAGE_SIZE  # also registers the ops
+from dsv4_compile.lowerings.install import install_lowering
 
 _PAGE_BITS = PAGE_SIZE.bit_length() - 1  # PAGE_SIZE is a power of two
-_installed = None
 
 
 def _translate(logical: ir.TensorBox, page_table: ir.TensorBox) -> ir.TensorBox:
@@ -58,10 +58,5 @@ def _lower_indexer_topk_physical(q, weights, k_cache, k_scale, page_table, lens,
 
 
 def register() -> None:
-    """Install the dsv4::indexer_topk_physical lowering (idempotent; re-installs if something
-    replaced it)."""
-    global _installed
-    op = torch.ops.dsv4.indexer_topk_physical.default
-    if _installed is not None and lowerings.get(op) is _installed:
-        return
-    _installed = register_lowering(op, type_promotion_kind=None)(_lower_indexer_topk_physical)
+    """Install the dsv4::indexer_topk_physical lowering (idempotent)."""
+    install_lowering(torch.ops.dsv4.indexer_topk_physical.default, _lower_indexer_topk_physical)

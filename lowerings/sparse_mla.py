@@ -21,13 +21,13 @@ from __future__ import annotations
 import sympy
 import torch
 from torch._inductor import ir
-from torch._inductor.lowering import fallback_handler, lowerings, register_lowering
+from torch._inductor.lowering import fallback_handler
 from torch._inductor.virtualized import ops
 
 from dsv4_compile.kernels.sparse_mla import pick_config
+from dsv4_compile.lowerings.install import install_lowering
 
 MAX_INLINED_SPLITS = 16
-_installed = None
 
 
 class _RecomputedStorage(ir.StorageBox):
@@ -110,9 +110,5 @@ def _lower_sparse_mla(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx,
 
 
 def register() -> None:
-    """Install the dsv4::sparse_mla lowering (idempotent; re-installs if something replaced it)."""
-    global _installed
-    op = torch.ops.dsv4.sparse_mla.default
-    if _installed is not None and lowerings.get(op) is _installed:
-        return
-    _installed = register_lowering(op, type_promotion_kind=None)(_lower_sparse_mla)
+    """Install the dsv4::sparse_mla lowering (idempotent)."""
+    install_lowering(torch.ops.dsv4.sparse_mla.default, _lower_sparse_mla)
