@@ -30,11 +30,21 @@ def _records_path(gm: torch.fx.GraphModule, example_inputs: list[Any], uuid: byt
     return Path(cache_dir()) / "dsv4_reports" / f"{key}.json"
 
 
+# The step's graphs write the KV caches in place. At a graph's first run inductor benchmarks every
+# kernel that has several configs, and first saves each argument such a kernel mutates: in pinned
+# host memory when a GPU clone would exceed peak-minus-current allocation. With caches of tens of GB
+# those saves took ~30 s of the first call (H200, the bench's 4-layer slice at 1M context).
+# Pointwise kernels (the cache writes among them) take inductor's single heuristic config instead;
+# options={"triton.autotune_pointwise": True} restores inductor's default.
+DEFAULT_INDUCTOR_OPTIONS: dict[str, Any] = {"triton.autotune_pointwise": False}
+
+
 class Dsv4Backend:
     """A callable torch.compile backend.
 
     `torch.compile(fn, backend=Dsv4Backend())`. It runs inductor's compile_fx with the dsv4
-    passes on `post_grad_custom_post_pass`; `report` collects the sites they considered.
+    passes on `post_grad_custom_post_pass` and DEFAULT_INDUCTOR_OPTIONS (a torch.compile `mode` or
+    `options` override them); `report` collects the sites they considered.
     """
 
     def __init__(self, config: PassConfig | None = None, report: PassReport | None = None,
@@ -47,7 +57,7 @@ class Dsv4Backend:
                  mode: str | None = None, options: dict | None = None) -> Callable:
         from torch._inductor.compile_fx import compile_fx
 
-        patches: dict[str, Any] = {}
+        patches: dict[str, Any] = dict(DEFAULT_INDUCTOR_OPTIONS)
         if mode is not None:
             patches.update(torch._inductor.list_mode_options(mode))
         patches.update(options or {})

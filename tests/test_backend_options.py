@@ -1,0 +1,51 @@
+"""Dsv4Backend's inductor options: its defaults reach compile_fx, and mode / options override them."""
+import pytest
+import torch
+import torch._inductor.compile_fx
+
+import dsv4_compile
+from dsv4_compile.backend import DEFAULT_INDUCTOR_OPTIONS, Dsv4Backend
+from dsv4_compile.passes.manager import PassConfig
+
+
+@pytest.fixture
+def captured(monkeypatch):
+    """The config_patches each compile_fx call receives (the graph itself runs uncompiled)."""
+    calls = []
+
+    def fake_compile_fx(gm, example_inputs, config_patches=None):
+        calls.append(dict(config_patches))
+        return gm.forward
+
+    monkeypatch.setattr("torch._inductor.compile_fx.compile_fx", fake_compile_fx)
+    return calls
+
+
+def _compile(backend, **kwargs):
+    gm = torch.fx.symbolic_trace(lambda x: torch.relu(x) + 1)
+    return backend(gm, [torch.randn(4)], **kwargs)
+
+
+def test_defaults_are_real_inductor_options():
+    config = torch._inductor.config
+    for key in DEFAULT_INDUCTOR_OPTIONS:
+        section, _, name = key.rpartition(".")
+        assert hasattr(getattr(config, section) if section else config, name), key
+
+
+@pytest.mark.parametrize("kwargs, pointwise", [({}, False), ({"mode": "max-autotune"}, False),
+                                               ({"options": {"triton.autotune_pointwise": True}}, True)])
+def test_pointwise_autotuning_off_unless_overridden(captured, kwargs, pointwise):
+    _compile(Dsv4Backend(PassConfig(passes=())), **kwargs)
+    (patches,) = captured
+    assert patches["triton.autotune_pointwise"] is pointwise
+    assert "post_grad_custom_post_pass" in patches
+    if kwargs.get("mode") == "max-autotune":
+        assert patches["max_autotune"] is True
+
+
+def test_module_backend_compiles_with_the_defaults():
+    """The options are accepted by the real compile_fx (CPU inductor) and the result is unchanged."""
+    x = torch.randn(8)
+    compiled = torch.compile(lambda t: torch.sigmoid(t) * 2, backend=dsv4_compile.Dsv4Backend(), fullgraph=True)
+    torch.testing.assert_close(compiled(x), torch.sigmoid(x) * 2, rtol=0, atol=1e-6)
