@@ -1,0 +1,71 @@
+"""dsv4 pass: f32 matrix products with a few output columns and a long reduction become a sum.
+
+The mHC mixing projections of every layer (`F.linear(rmsnorm(streams), fn)`: [tokens, 4 * hidden] @
+[4 * hidden, 24] in f32, and the hyper head's [tokens, 4 * hidden] @ [4 * hidden, 4]) reach cuBLAS
+as one f32 GEMM tile that walks the whole reduction alone: ~32 µs a call on the H200 at any batch
+up to 64, 8 calls a step in the 4-layer slice. As `sum(a[:, :, None] * b[None], dim=1)` inductor
+compiles them to a split reduction spread over the GPU.
+
+Matches `aten.mm(a [M, K], b [K, N])` with both operands f32 and static sizes N <= MAX_COLUMNS,
+M <= MAX_ROWS and K >= MIN_REDUCTION * N. Other f32 products with N <= MAX_COLUMNS are declined with
+the reason in the report; every other mm is left alone without a record.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch.fx import Graph, Node
+
+from .fx_match import Decline, aten, call, require, shape, val
+
+PASS_NAME = "skinny_mm"
+MAX_COLUMNS = 32
+MAX_ROWS = 512
+MIN_REDUCTION = 64
+
+log = logging.getLogger("dsv4_compile")
+
+
+def _static(sizes: tuple) -> bool:
+    return all(isinstance(s, int) for s in sizes)
+
+
+def _check(mm: Node) -> None:
+    a, b = mm.args
+    rows, depth = shape(a)
+    _, columns = shape(b)
+    require(_static((rows, depth, columns)), "sizes are symbolic")
+    require(rows <= MAX_ROWS, f"{rows} rows > {MAX_ROWS}: enough output tiles for a GEMM")
+    require(depth >= MIN_REDUCTION * columns,
+            f"reduction {depth} < {MIN_REDUCTION} x {columns} columns: short enough for one GEMM tile")
+
+
+def _is_candidate(node: Node) -> bool:
+    if node.op != "call_function" or node.target != aten.mm.default:
+        return False
+    a, b = (val(x) for x in node.args)
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype == torch.float32
+            and isinstance(b.shape[1], int) and b.shape[1] <= MAX_COLUMNS)
+
+
+def apply(graph: Graph, report) -> int:
+    """Rewrites each matched f32 mm to mul + sum over the reduction dim; records the candidates."""
+    rewrites = 0
+    for mm in [n for n in graph.nodes if _is_candidate(n)]:
+        try:
+            _check(mm)
+        except Decline as why:
+            report.record(PASS_NAME, mm, False, str(why))
+            continue
+        a, b = mm.args
+        with graph.inserting_before(mm):
+            product = call(graph, aten.mul.Tensor, (call(graph, aten.unsqueeze.default, (a, 2)),
+                                                    call(graph, aten.unsqueeze.default, (b, 0))))
+            total = call(graph, aten.sum.dim_IntList, (product, [1]))
+        report.record(PASS_NAME, mm, True, f"[{shape(a)[0]}, {shape(a)[1]}] @ [{shape(b)[0]}, {shape(b)[1]}]")
+        mm.replace_all_uses_with(total)
+        graph.erase_node(mm)
+        rewrites += 1
+    log.debug("skinny_mm: %d rewrite(s)", rewrites)
+    return rewrites
