@@ -14,10 +14,12 @@ Launch (capture-safe: static shapes, no host syncs):
 4. `combine_pairs`: out[m] = sum over the valid choices of m (a torch epilogue that inductor
    can fuse with what follows, e.g. the shared-expert add).
 
-Steps 2 and 3 have two kernel pairs behind one launcher: a GEMV path (`_gate_up_gemv_kernel`,
+Steps 2 and 3 have three kernel pairs behind one launcher: a GEMV path (`_gate_up_gemv_kernel`,
 `_down_gemv_kernel`; no tl.dot) for at most GEMV_MAX_ROWS pairs per expert on average (decode),
 and the dot path below for more (verify, prefill); `choose_config` picks by average pairs per
-expert, `TileConfig` overrides it (tests, bench --sweep).
+expert, `TileConfig` overrides it (tests, bench --sweep). The mma path (`_gate_up_mma_kernel`,
+`_down_mma_kernel`: tl.dot with the weight rows as its M side, for blocks of a few pairs) is
+selectable by `TileConfig` only until a sweep ranks it.
 
 On the dot path weights are dequantised to the dot dtype (bf16 for bf16 x on GPU, f32 for f32 x
 and under the interpreter) before tl.dot; on sm_100+ MXFP4 uses tl.dot_scaled on the packed codes
