@@ -521,11 +521,12 @@ def _down_gemv_kernel(
 
 
 # MMA path: the dot path with A and B swapped for expert blocks of a few rows (decode, verify). The
-# BLOCK_N weight rows are the M side of tl.dot and the block's BLOCK_M pair rows its N side, so a
-# block of 1..BLOCK_M pairs wastes no weight work and the weights never go through shared memory:
-# each thread loads its packed words as 16-byte vectors (cp.async, pipelined by num_stages), decodes
-# them in registers straight into the MMA's A-operand layout and multiplies by the group scale, about
-# 4 instructions per weight byte on sm_90 (the GEMV path needs about 10). Three choices make that work:
+# BLOCK_N weight rows are the M side of tl.dot and the block's BLOCK_M pair rows its N side, so
+# padding a block of a few pairs to BLOCK_M costs tensor-core work only, and the weights never go
+# through shared memory: each thread loads its packed words as 16-byte vectors (cp.async, pipelined
+# by num_stages), decodes them in registers straight into the MMA's A-operand layout and multiplies
+# by the group scale. In the sm_90 SASS the K loop issues about 6 instructions per weight byte per
+# thread (4.3 of them decoding; the GEMV loop issues about 10). Three choices make that work:
 # - e2m1 -> bf16 two codes at a time (`_e2m1_pair_bits`): the masked nibbles times 2**6 + 2**12 put a
 #   code's magnitude at bf16 bits 6..8 and its sign at bit 15 (value * 2**-126; code 0.5 lands on a
 #   bf16 subnormal, exact) in each half of a 32-bit word; one bf16 multiply by scale * 2**62 (packed,

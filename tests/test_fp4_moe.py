@@ -244,7 +244,8 @@ def test_tile_config_rejects_bad_values(kwargs, match):
 
 
 def test_word_views(caplog):
-    """The GEMV path's views: word-major activations and int32 weight words from any uint8 view."""
+    """The GEMV and mma paths' views: word-major activations, int32 weight words from any uint8 view,
+    int32 scale words (rows padded to whole words)."""
     a = torch.arange(32.0).reshape(2, 16)
     assert torch.equal(moe.word_major(a)[1, 3], torch.tensor([19.0, 27.0]))  # a[1, 8j + 3]
     strided = torch.randint(0, 256, (2, 3, 21), dtype=torch.uint8)[:, :, 1:17]
@@ -254,6 +255,11 @@ def test_word_views(caplog):
         assert words.dtype == torch.int32 and words.shape == (2, 3, 4) and words.data_ptr() % 16 == 0
         assert torch.equal(words.view(torch.uint8), packed)
     assert "misaligned" in caplog.text
+    scales = torch.randint(0, 256, (2, 3, 5), dtype=torch.uint8)  # rows of 5 bytes: padded to 2 words
+    scale_words = moe._scale_words(scales)
+    assert scale_words.dtype == torch.int32 and scale_words.shape == (2, 3, 2)
+    assert torch.equal(scale_words.view(torch.uint8)[..., :5], scales)
+    assert "padded" in caplog.text
 
 
 @pytest.mark.parametrize("kpack", [1, 2])
