@@ -286,11 +286,12 @@ def _mma(block_m, block_n, block_k, warps, stages):
 # The prefetch=True entries load the next K step's weights before decoding the current one (see
 # fp4_moe's GEMV path comment). The mma entries are the swap-AB tensor-core path (fp4_moe's MMA path
 # comment), picked by the instructions per weight byte of their sm_90 SASS loops (~6 against ~10 for
-# the GEMV loop): BLOCK_M 8 (mma.sync), BLOCK_M 16 with 4 warps (wgmma) or 2 warps (mma.sync). Configs
-# that lost in every earlier sweep were dropped.
+# the GEMV loop): BLOCK_M 8 (mma.sync), BLOCK_M 16 with 4 warps (wgmma) or 2 warps (mma.sync); at
+# M=1 only 6 experts' rows make programs, hence the 32-row 2-warp entry. Configs that lost in every
+# earlier sweep were dropped.
 _DECODE = [_gemv(1, 16, 512, 4), _gemv(1, 16, 256, 4), _dot(16, 64, 128, 4, 2),
            _gemv(1, 16, 512, 4, True), _gemv(1, 16, 256, 4, True), _gemv(1, 32, 512, 8, True),
-           _mma(8, 64, 128, 4, 3), _mma(8, 128, 128, 4, 3), _mma(8, 64, 256, 4, 4)]
+           _mma(8, 64, 128, 4, 3), _mma(8, 128, 128, 4, 3), _mma(8, 64, 256, 4, 4), _mma(8, 32, 256, 2, 4)]
 SWEEP_CANDIDATES = {
     1: _DECODE,
     8: _DECODE,
