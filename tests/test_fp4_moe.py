@@ -178,7 +178,7 @@ def test_fake_and_compile():
     "path_config",
     [moe.TileConfig("gemv", 2, 32, 64), moe.TileConfig("dot", 16, 32, 64),
      moe.TileConfig("gemv", 2, 32, 32, prefetch=True), moe.TileConfig("gemv", 1, 16, 64, prefetch=True),
-     moe.TileConfig("mma", 16, 64, 64, num_stages=3), moe.TileConfig("mma", 8, 32, 128, num_warps=2)],
+     moe.TileConfig("mma", 16, 128, 64, num_stages=3), moe.TileConfig("mma", 8, 32, 128, num_warps=2)],
     ids=["gemv", "dot", "gemv_prefetch", "gemv_prefetch_one_down_step", "mma_wgmma_order", "mma_sync_order"],
 )
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
@@ -186,8 +186,8 @@ def test_each_path_matches_reference(path_config, fmt):
     """Both paths regardless of the selection rule: -1 ids, an expert with more rows than one block
     (skewed), empty experts, swiglu_limit; poisoned outputs; K and I that span several K steps (the
     prefetching GEMV loop also with a single step over I = BLOCK_K, where it only loads past the end,
-    masked; the mma path with rows past the last weight row, BLOCK_N = 64 > I, and with one K step of
-    two words per lane over I)."""
+    masked; the mma path with two row repeats per warp and rows past the last weight row (BLOCK_N =
+    128 > I), and with one K step of two words per lane over I)."""
     experts, hidden, inter, tokens, top_k = 8, 128, 64, 7, 3
     w = make_experts(fmt, experts, hidden, inter, seed=11)
     ids, weights = make_routing(tokens, top_k, experts, "skewed", seed=11)
@@ -198,6 +198,21 @@ def test_each_path_matches_reference(path_config, fmt):
     valid = ((ids >= 0) & (ids < experts)).reshape(-1)
     assert not pairs[valid].isnan().any()
     want = moe.fp4_moe_reference(*_args(x, ids, weights, w, 0.5))
+    assert_close_scaled(moe.combine_pairs(pairs, ids, experts, x.dtype), want, torch.float32)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_mma_several_scale_groups_per_lane(fmt):
+    """BLOCK_K = 256 as in the V4-Flash sweep (the other tests' K and I fit BLOCK_K to at most 64, one
+    scale group per quad lane): each quad lane's 8 words span 2 (MXFP4) or 4 (NVFP4) scale groups."""
+    experts, hidden, inter, tokens, top_k = 3, 256, 256, 5, 2
+    w = make_experts(fmt, experts, hidden, inter, seed=21)
+    ids, weights = make_routing(tokens, top_k, experts, "random", seed=21)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(22))
+    pair_out = torch.full((tokens * top_k, hidden), float("nan"))
+    config = moe.TileConfig("mma", 8, 64, 256, num_stages=4)
+    pairs = moe.fp4_moe_pairs_triton(*_args(x, ids, weights, w, None), pair_out=pair_out, config=config)
+    want = moe.fp4_moe_reference(*_args(x, ids, weights, w, None))
     assert_close_scaled(moe.combine_pairs(pairs, ids, experts, x.dtype), want, torch.float32)
 
 
