@@ -798,7 +798,7 @@ class TileConfig:
 
     path: "gemv" (no tl.dot; for expert blocks of a few rows), "dot" (tl.dot / tl.dot_scaled) or "mma"
     (tl.dot with the weight rows as the M side, see the MMA path comment; block_n a multiple of
-    16 * num_warps, K and I multiples of 32).
+    16 * num_warps, block_k >= 32, K and I multiples of 32).
     block_m: pair rows per expert block; block_n: output columns per program; block_k: reduction
     columns per loop step (clamped to what divides K and I, see `_fit_block_k`); prefetch (GEMV path
     only): load the next K step's weights before decoding the current one (see the GEMV path comment).
@@ -821,6 +821,9 @@ class TileConfig:
                 raise ValueError(f"TileConfig.{name} must be a power of two, got {value}")
         if self.path == "dot" and self.block_m < 16:
             raise ValueError(f"TileConfig.block_m must be >= 16 for the dot path (tl.dot), got {self.block_m}")
+        if self.path == "mma" and self.block_k < 32:
+            raise ValueError(f"TileConfig.block_k must be >= 32 for the mma path (a word per quad lane), "
+                             f"got {self.block_k}")
         if self.path == "mma" and self.block_n % (16 * self.num_warps):
             raise ValueError(f"TileConfig.block_n must be a multiple of 16 * num_warps = {16 * self.num_warps} "
                              f"for the mma path, got {self.block_n}")

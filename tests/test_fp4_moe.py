@@ -250,7 +250,8 @@ def test_size_class_rule(tokens, experts, expected):
     "kwargs, match",
     [(dict(path="tiles"), "path"), (dict(block_n=24), "block_n"), (dict(block_k=0), "block_k"),
      (dict(path="dot", block_m=8), "block_m"), (dict(path="dot", block_m=16, prefetch=True), "prefetch"),
-     (dict(path="mma", block_n=32), "block_n"), (dict(path="mma", block_n=64, prefetch=True), "prefetch")],
+     (dict(path="mma", block_n=32), "block_n"), (dict(path="mma", block_n=64, prefetch=True), "prefetch"),
+     (dict(path="mma", block_n=64, block_k=16), "block_k")],
 )
 def test_tile_config_rejects_bad_values(kwargs, match):
     base = dict(path="gemv", block_m=1, block_n=16, block_k=64)
