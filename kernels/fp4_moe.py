@@ -531,7 +531,8 @@ def _down_gemv_kernel(
 #   code's magnitude at bf16 bits 6..8 and its sign at bit 15 (value * 2**-126; code 0.5 lands on a
 #   bf16 subnormal, exact) in each half of a 32-bit word; one bf16 multiply by scale * 2**62 (packed,
 #   `_scaled_pair`) makes the weight value * scale * 2**-64 (exact for ue8m0 scales in [2**-61, 2**65]
-#   and every e4m3 scale), and the epilogue multiplies by 2**64.
+#   and every finite e4m3 scale; a ue8m0 scale above 2**65 overflows to inf, NaN for code 0, where the
+#   other paths stay finite up to 2**113), and the epilogue multiplies by 2**64.
 # - The reduction order inside a BLOCK_K tile is permuted so that the codes a thread holds in the MMA
 #   layout are the codes of its own contiguous words: thread q of a quad holds words
 #   [q * BLOCK_K / 32, (q + 1) * BLOCK_K / 32) of its rows, and the activations are permuted to match
