@@ -320,7 +320,7 @@ def sweep_case(fmt, tokens, cfg, w, timer, device, gen, candidates) -> list[dict
     want = moe.fp4_moe_reference(*args).float()
     scale = max(want.abs().max().item(), 1e-6)
     floor_ms = touched_bytes(ids, w, hidden) / HBM_BYTES_PER_S * 1e3
-    default = moe.choose_config(tokens * top_k, experts)
+    default = moe.choose_config(tokens * top_k, experts, fmt, moe.native_fp4_dot(x, fmt))
     rows = []
     for config in candidates:
         def run(config=config):

@@ -15,11 +15,11 @@ Launch (capture-safe: static shapes, no host syncs):
    can fuse with what follows, e.g. the shared-expert add).
 
 Steps 2 and 3 have three kernel pairs behind one launcher: a GEMV path (`_gate_up_gemv_kernel`,
-`_down_gemv_kernel`; no tl.dot) for at most GEMV_MAX_ROWS pairs per expert on average (decode),
-and the dot path below for more (verify, prefill); `choose_config` picks by average pairs per
-expert, `TileConfig` overrides it (tests, bench --sweep). The mma path (`_gate_up_mma_kernel`,
-`_down_mma_kernel`: tl.dot with the weight rows as its M side, for blocks of a few pairs) is
-selectable by `TileConfig` only until a sweep ranks it.
+`_down_gemv_kernel`; no tl.dot) for a few pairs per expert on average (decode),
+an mma path (`_gate_up_mma_kernel`, `_down_mma_kernel`: tl.dot with the weight rows as its M
+side, for blocks of a few pairs; MXFP4 decode and verify) and the dot path below (NVFP4 verify,
+prefill); `choose_config` picks by average pairs per expert and format, `TileConfig` overrides it
+(tests, bench --sweep).
 
 On the dot path weights are dequantised to the dot dtype (bf16 for bf16 x on GPU, f32 for f32 x
 and under the interpreter) before tl.dot; on sm_100+ MXFP4 uses tl.dot_scaled on the packed codes
@@ -833,35 +833,62 @@ class TileConfig:
 
 
 # The path by average pairs per expert (M*k / E; a static shape fact, so the choice is
-# capture-safe), from the H200 sweep (bench/bench_fp4_moe.py --sweep, V4-Flash E=256, k=6,
-# bench/RESULTS.md): at 1 pair per expert (M=1, 8) one-row GEMV blocks are the fastest (M=1: 0.134
-# vs 0.195 ms dot); at ~2 (M=64) one-row GEMV blocks (2.23 / 2.47 ms MXFP4 / NVFP4) match the best
-# of two-row blocks (2.47 / 2.36) and the dot path (2.52 / 2.41), although each pair re-reads its
-# expert's weights (mostly from L2: the blocks of one expert are adjacent in the grid); at 6
-# (M=256, verify) the dot path is twice as fast as any GEMV block (3.27 vs 6.75 ms). Prefetching
-# (see the GEMV path comment) changed the one-row GEMV by -5% to +1% in the same sweep (MXFP4 M=8
-# 0.387 -> 0.368 ms, M=64 2.235 -> 2.194; NVFP4 M=64 2.469 -> 2.495): the loop is bound by its
-# instructions per weight byte, not by load latency. The default prefetches (the end-to-end runs
-# of bench/RESULTS.md used it).
+# capture-safe) and format, from the H200 sweeps (bench/bench_fp4_moe.py --sweep, V4-Flash E=256,
+# k=6, bench/RESULTS.md). At 1 pair per expert (M=1, 8) one-row GEMV blocks are the fastest for
+# both formats (M=1: 0.134 ms vs 0.157 the best mma, 0.195 dot). MXFP4 above that takes the mma
+# path: M=64 (2 pairs per expert) 1.91 ms with 8-row blocks vs 2.19 GEMV and 2.54 dot; M=256
+# (verify, 6 per expert) 2.58 ms with 16-row 2-warp blocks vs 3.29 dot and 6.75 GEMV. NVFP4 gains
+# nothing from it (its e4m3 scales cost more to apply; M=64: 2.99 mma vs 2.36 two-row GEMV, M=256:
+# 3.13 vs 3.16 dot), so it keeps GEMV up to GEMV_MAX_ROWS and the dot path above. Beyond 16 pairs
+# per expert (prefill) both take 64-row dot blocks. Where FP4 tensor cores exist (sm_100+) MXFP4
+# keeps the dot path, which uses tl.dot_scaled there. Prefetching (see the GEMV path comment)
+# changed the one-row GEMV by -5% to +1%: that loop is bound by its instructions per weight byte,
+# not by load latency. The mma path's exactness range is in the MMA path comment (ue8m0 scales up
+# to 2**65; the model's experts are checked once, see check_mxfp4_scale_range).
 GEMV_MAX_ROWS = 2
+MMA8_MAX_ROWS = 4
+DENSE_MIN_ROWS = 17
 DEFAULT_CONFIGS = {
     "gemv": TileConfig("gemv", 1, 16, 512, num_warps=4, prefetch=True),
+    "mma8": TileConfig("mma", 8, 64, 256, num_warps=4, num_stages=4),
+    "mma16": TileConfig("mma", 16, 64, 128, num_warps=2, num_stages=3),
     "dot16": TileConfig("dot", 16, 64, 128, num_warps=4, num_stages=2),
     "dot64": TileConfig("dot", 64, 64, 128, num_warps=4, num_stages=2),
 }
 
 
-def size_class(pairs: int, experts: int) -> str:
-    """The DEFAULT_CONFIGS key for M*k = `pairs` (token, choice) pairs over `experts` experts."""
+def size_class(pairs: int, experts: int, fmt: str, native_fp4: bool = False) -> str:
+    """The DEFAULT_CONFIGS key for M*k = `pairs` (token, choice) pairs over `experts` experts in
+    format `fmt`; `native_fp4`: the GPU has FP4 tensor cores (see native_fp4_dot)."""
     average = max(1, -(-pairs // experts))
-    if average <= GEMV_MAX_ROWS:
-        return "gemv"
-    return "dot16" if average <= 16 else "dot64"
+    if average >= DENSE_MIN_ROWS:
+        return "dot64"
+    if fmt == "mxfp4" and not native_fp4 and average > 1:
+        return "mma8" if average <= MMA8_MAX_ROWS else "mma16"
+    return "gemv" if average <= GEMV_MAX_ROWS else "dot16"
 
 
-def choose_config(pairs: int, experts: int) -> TileConfig:
-    """The launch configuration for M*k = `pairs` pairs over `experts` experts (see GEMV_MAX_ROWS)."""
-    return DEFAULT_CONFIGS[size_class(pairs, experts)]
+def choose_config(pairs: int, experts: int, fmt: str, native_fp4: bool = False) -> TileConfig:
+    """The launch configuration for M*k = `pairs` pairs over `experts` experts (see size_class)."""
+    return DEFAULT_CONFIGS[size_class(pairs, experts, fmt, native_fp4)]
+
+
+# The mma path applies a ue8m0 scale as a bf16 factor scale * 2**62 (MMA path comment), finite up to
+# scale 2**65: exponent code 127 + 65.
+MMA_MAX_UE8M0 = 192
+
+
+def check_mxfp4_scale_range(**scales: torch.Tensor) -> None:
+    """Raise ValueError naming the tensor when an MXFP4 ue8m0 scale tensor (uint8) holds an exponent
+    code above MMA_MAX_UE8M0 (scale > 2**65), which the mma path would turn into inf. Meant for load
+    time (one reduction per tensor and a host sync), not for the captured step."""
+    for name, scale in scales.items():
+        if scale.device.type == "meta" or scale.numel() == 0:
+            continue
+        top = int(scale.view(torch.uint8).max())
+        if top > MMA_MAX_UE8M0:
+            raise ValueError(f"{name} holds a ue8m0 scale 2**{top - 127} (code {top}); dsv4's MXFP4 kernels "
+                             f"accept scales up to 2**{MMA_MAX_UE8M0 - 127} (code {MMA_MAX_UE8M0})")
 
 
 def _fit_block_k(block_k: int, hidden: int, inter: int, group: int) -> int:
@@ -883,12 +910,12 @@ def fp4_moe_pairs_triton(
     experts, two_inter, _ = w13.shape
     inter, top_k = two_inter // 2, topk_ids.shape[1]
     pairs = tokens * top_k
-    if config is None:
-        config = choose_config(pairs, experts)
     interpreted = not x.is_cuda
     dot_dtype = tl.float32 if (interpreted or x.dtype == torch.float32) else tl.bfloat16
     if use_dot_scaled is None:
         use_dot_scaled = native_fp4_dot(x, fmt)
+    if config is None:
+        config = choose_config(pairs, experts, fmt, native_fp4_dot(x, fmt))
     group = GROUP[fmt]
     x = x.contiguous()
     order, block_expert, block_start, block_end = expert_blocks(topk_ids, experts, config.block_m)

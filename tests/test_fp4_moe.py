@@ -233,17 +233,26 @@ def test_all_tokens_on_one_expert(config):
 
 
 @pytest.mark.parametrize(
-    "tokens, experts, expected",
-    [(1, 256, "gemv"), (8, 256, "gemv"), (64, 256, "gemv"), (85, 256, "gemv"), (86, 256, "dot16"),
-     (256, 256, "dot16"), (682, 256, "dot16"), (683, 256, "dot64"), (4096, 256, "dot64")],
+    "tokens, mxfp4, nvfp4, mxfp4_native",
+    [(1, "gemv", "gemv", "gemv"), (8, "gemv", "gemv", "gemv"), (42, "gemv", "gemv", "gemv"),
+     (43, "mma8", "gemv", "gemv"), (64, "mma8", "gemv", "gemv"), (85, "mma8", "gemv", "gemv"),
+     (86, "mma8", "dot16", "dot16"), (170, "mma8", "dot16", "dot16"), (171, "mma16", "dot16", "dot16"),
+     (256, "mma16", "dot16", "dot16"), (682, "mma16", "dot16", "dot16"), (683, "dot64", "dot64", "dot64"),
+     (4096, "dot64", "dot64", "dot64")],
 )
-def test_size_class_rule(tokens, experts, expected):
-    """V4-Flash (k=6): decode up to 2 pairs per expert takes one-row GEMV blocks, verify (M=256)
-    and prefill the dot path."""
-    assert moe.size_class(tokens * 6, experts) == expected
-    config = moe.choose_config(tokens * 6, experts)
-    assert config.path == ("gemv" if expected == "gemv" else "dot")
-    assert config.block_m == (1 if expected == "gemv" else int(expected[3:]))
+def test_size_class_rule(tokens, mxfp4, nvfp4, mxfp4_native):
+    """V4-Flash (E=256, k=6): one pair per expert takes one-row GEMV blocks; MXFP4 decode (M=64)
+    and verify (M=256) take the mma path unless the GPU has FP4 tensor cores; NVFP4 keeps GEMV up
+    to 2 pairs per expert and the dot path above; prefill takes 64-row dot blocks."""
+    pairs, experts = tokens * 6, 256
+    cases = (("mxfp4", False, mxfp4), ("nvfp4", False, nvfp4), ("mxfp4", True, mxfp4_native),
+             ("nvfp4", True, nvfp4))
+    for fmt, native, expected in cases:
+        assert moe.size_class(pairs, experts, fmt, native) == expected, (fmt, native)
+        config = moe.choose_config(pairs, experts, fmt, native)
+        assert config == moe.DEFAULT_CONFIGS[expected]
+        assert config.path == expected.rstrip("0123456789")
+        assert config.block_m == (1 if expected == "gemv" else int(expected.lstrip("gemvadot")))
 
 
 @pytest.mark.parametrize(
