@@ -285,21 +285,20 @@ def _mma(block_m, block_n, block_k, warps, stages):
 # and 8 share their list (one size class) so they compile once; the dot entries are the pre-GEMV kernel.
 # The prefetch=True entries load the next K step's weights before decoding the current one (see
 # fp4_moe's GEMV path comment). The mma entries are the swap-AB tensor-core path (fp4_moe's MMA path
-# comment), picked by the instructions per weight byte of their sm_90 SASS loops (~6 against ~10 for
-# the GEMV loop): BLOCK_M 8 (mma.sync), BLOCK_M 16 with 4 warps (wgmma) or 2 warps (mma.sync); at
-# M=1 only 6 experts' rows make programs, hence the 32-row 2-warp entry. Configs that lost in every
-# earlier sweep were dropped.
+# comment); the 1- and 2-warp 512-column ones won the extra sweeps of the third session (more
+# programs in flight per SM), the others are the earlier best. Configs that lost in every earlier
+# sweep were dropped.
 _DECODE = [_gemv(1, 16, 512, 4), _gemv(1, 16, 256, 4), _dot(16, 64, 128, 4, 2),
-           _gemv(1, 16, 512, 4, True), _gemv(1, 16, 256, 4, True), _gemv(1, 32, 512, 8, True),
-           _mma(8, 64, 128, 4, 3), _mma(8, 128, 128, 4, 3), _mma(8, 64, 256, 4, 4), _mma(8, 32, 256, 2, 4)]
+           _gemv(1, 16, 512, 4, True), _gemv(1, 32, 512, 8, True),
+           _mma(8, 32, 256, 2, 4), _mma(8, 16, 512, 1, 2), _mma(8, 32, 512, 2, 2)]
 SWEEP_CANDIDATES = {
     1: _DECODE,
     8: _DECODE,
-    64: [_gemv(1, 16, 512, 4), _gemv(2, 16, 256, 4), _dot(16, 64, 128, 4, 2), _dot(16, 32, 256, 4, 3),
-         _gemv(1, 16, 512, 4, True), _gemv(2, 16, 512, 4, True), _gemv(2, 16, 256, 4, True),
-         _mma(8, 128, 128, 4, 3), _mma(8, 64, 256, 4, 4), _mma(16, 128, 128, 4, 3)],
-    256: [_gemv(4, 16, 512, 4), _dot(16, 64, 128, 4, 2), _dot(16, 128, 128, 8, 3), _dot(32, 64, 128, 4, 3),
-          _gemv(4, 16, 256, 4, True), _mma(8, 128, 128, 4, 3), _mma(16, 128, 128, 4, 3), _mma(16, 64, 128, 2, 3)],
+    64: [_gemv(1, 16, 512, 4), _gemv(2, 16, 256, 4), _dot(16, 64, 128, 4, 2),
+         _gemv(1, 16, 512, 4, True), _gemv(2, 16, 256, 4, True),
+         _mma(8, 64, 256, 4, 4), _mma(8, 16, 512, 1, 2), _mma(8, 32, 512, 2, 2), _mma(8, 32, 512, 2, 3)],
+    256: [_gemv(4, 16, 512, 4), _dot(16, 64, 128, 4, 2), _dot(16, 128, 128, 8, 3),
+          _mma(16, 64, 128, 2, 3), _mma(16, 16, 512, 1, 2), _mma(8, 16, 512, 1, 2), _mma(8, 32, 512, 2, 2)],
 }
 
 

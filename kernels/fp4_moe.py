@@ -836,22 +836,25 @@ class TileConfig:
 # capture-safe) and format, from the H200 sweeps (bench/bench_fp4_moe.py --sweep, V4-Flash E=256,
 # k=6, bench/RESULTS.md). At 1 pair per expert (M=1, 8) one-row GEMV blocks are the fastest for
 # both formats (M=1: 0.134 ms vs 0.157 the best mma, 0.195 dot). MXFP4 above that takes the mma
-# path: M=64 (2 pairs per expert) 1.91 ms with 8-row blocks vs 2.19 GEMV and 2.54 dot; M=256
-# (verify, 6 per expert) 2.58 ms with 16-row 2-warp blocks vs 3.29 dot and 6.75 GEMV. NVFP4 gains
-# nothing from it (its e4m3 scales cost more to apply; M=64: 2.99 mma vs 2.36 two-row GEMV, M=256:
-# 3.13 vs 3.16 dot), so it keeps GEMV up to GEMV_MAX_ROWS and the dot path above. Beyond 16 pairs
-# per expert (prefill) both take 64-row dot blocks. Where FP4 tensor cores exist (sm_100+) MXFP4
-# keeps the dot path, which uses tl.dot_scaled there. Prefetching (see the GEMV path comment)
-# changed the one-row GEMV by -5% to +1%: that loop is bound by its instructions per weight byte,
-# not by load latency. The mma path's exactness range is in the MMA path comment (ue8m0 scales up
-# to 2**65; the model's experts are checked once, see check_mxfp4_scale_range).
+# path with 8-row blocks, few warps and a deep K step (more programs in flight per SM, each with
+# 512 reduction columns per step): M=64 (2 pairs per expert) 1.23 ms with 16-column 1-warp
+# programs vs 1.30 with 32-column 2-warp ones, 1.80 with 64-column 4-warp ones, 2.19 GEMV and 2.54
+# dot; M=256 (verify, 6 per expert) 1.92 ms with the 2-warp tile vs 2.06 16-row 1-warp, 3.29 dot
+# and 6.75 GEMV. NVFP4 gained nothing from the mma tiles of the first sweep (its e4m3 scales cost
+# more to apply; M=64: 2.99 mma vs 2.36 two-row GEMV, M=256: 3.13 vs 3.16 dot), so it keeps GEMV up
+# to GEMV_MAX_ROWS and the dot path above. Beyond 16 pairs per expert (prefill) both take 64-row
+# dot blocks. Where FP4 tensor cores exist (sm_100+) MXFP4 keeps the dot path, which uses
+# tl.dot_scaled there. Prefetching (see the GEMV path comment) changed the one-row GEMV by -5% to
+# +1%: that loop is bound by its instructions per weight byte, not by load latency. The mma path's
+# exactness range is in the MMA path comment (ue8m0 scales up to 2**65; the model's experts are
+# checked once, see check_mxfp4_scale_range).
 GEMV_MAX_ROWS = 2
-MMA8_MAX_ROWS = 4
+MMA_1W_MAX_ROWS = 4
 DENSE_MIN_ROWS = 17
 DEFAULT_CONFIGS = {
     "gemv": TileConfig("gemv", 1, 16, 512, num_warps=4, prefetch=True),
-    "mma8": TileConfig("mma", 8, 64, 256, num_warps=4, num_stages=4),
-    "mma16": TileConfig("mma", 16, 64, 128, num_warps=2, num_stages=3),
+    "mma1w": TileConfig("mma", 8, 16, 512, num_warps=1, num_stages=2),
+    "mma2w": TileConfig("mma", 8, 32, 512, num_warps=2, num_stages=2),
     "dot16": TileConfig("dot", 16, 64, 128, num_warps=4, num_stages=2),
     "dot64": TileConfig("dot", 64, 64, 128, num_warps=4, num_stages=2),
 }
@@ -864,7 +867,7 @@ def size_class(pairs: int, experts: int, fmt: str, native_fp4: bool = False) -> 
     if average >= DENSE_MIN_ROWS:
         return "dot64"
     if fmt == "mxfp4" and not native_fp4 and average > 1:
-        return "mma8" if average <= MMA8_MAX_ROWS else "mma16"
+        return "mma1w" if average <= MMA_1W_MAX_ROWS else "mma2w"
     return "gemv" if average <= GEMV_MAX_ROWS else "dot16"
 
 

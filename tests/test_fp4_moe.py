@@ -201,16 +201,18 @@ def test_each_path_matches_reference(path_config, fmt):
     assert_close_scaled(moe.combine_pairs(pairs, ids, experts, x.dtype), want, torch.float32)
 
 
+@pytest.mark.parametrize("name", ["mma1w", "mma2w"])
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-def test_mma_several_scale_groups_per_lane(fmt):
-    """BLOCK_K = 256 as in the V4-Flash sweep (the other tests' K and I fit BLOCK_K to at most 64, one
-    scale group per quad lane): each quad lane's 8 words span 2 (MXFP4) or 4 (NVFP4) scale groups."""
-    experts, hidden, inter, tokens, top_k = 3, 256, 256, 5, 2
+def test_mma_several_scale_groups_per_lane(fmt, name):
+    """The default mma tiles with their BLOCK_K = 512 (the other tests' K and I fit BLOCK_K to at most
+    64, one scale group per quad lane): each quad lane's words span several scale groups."""
+    experts, hidden, inter, tokens, top_k = 3, 512, 512, 5, 2
     w = make_experts(fmt, experts, hidden, inter, seed=21)
     ids, weights = make_routing(tokens, top_k, experts, "random", seed=21)
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(22))
     pair_out = torch.full((tokens * top_k, hidden), float("nan"))
-    config = moe.TileConfig("mma", 8, 64, 256, num_stages=4)
+    config = moe.DEFAULT_CONFIGS[name]
+    assert config.block_k == hidden
     pairs = moe.fp4_moe_pairs_triton(*_args(x, ids, weights, w, None), pair_out=pair_out, config=config)
     want = moe.fp4_moe_reference(*_args(x, ids, weights, w, None))
     assert_close_scaled(moe.combine_pairs(pairs, ids, experts, x.dtype), want, torch.float32)
@@ -235,15 +237,16 @@ def test_all_tokens_on_one_expert(config):
 @pytest.mark.parametrize(
     "tokens, mxfp4, nvfp4, mxfp4_native",
     [(1, "gemv", "gemv", "gemv"), (8, "gemv", "gemv", "gemv"), (42, "gemv", "gemv", "gemv"),
-     (43, "mma8", "gemv", "gemv"), (64, "mma8", "gemv", "gemv"), (85, "mma8", "gemv", "gemv"),
-     (86, "mma8", "dot16", "dot16"), (170, "mma8", "dot16", "dot16"), (171, "mma16", "dot16", "dot16"),
-     (256, "mma16", "dot16", "dot16"), (682, "mma16", "dot16", "dot16"), (683, "dot64", "dot64", "dot64"),
+     (43, "mma1w", "gemv", "gemv"), (64, "mma1w", "gemv", "gemv"), (85, "mma1w", "gemv", "gemv"),
+     (86, "mma1w", "dot16", "dot16"), (170, "mma1w", "dot16", "dot16"), (171, "mma2w", "dot16", "dot16"),
+     (256, "mma2w", "dot16", "dot16"), (682, "mma2w", "dot16", "dot16"), (683, "dot64", "dot64", "dot64"),
      (4096, "dot64", "dot64", "dot64")],
 )
 def test_size_class_rule(tokens, mxfp4, nvfp4, mxfp4_native):
     """V4-Flash (E=256, k=6): one pair per expert takes one-row GEMV blocks; MXFP4 decode (M=64)
-    and verify (M=256) take the mma path unless the GPU has FP4 tensor cores; NVFP4 keeps GEMV up
-    to 2 pairs per expert and the dot path above; prefill takes 64-row dot blocks."""
+    and verify (M=256) take the mma path (1 warp up to 4 pairs per expert, then 2) unless the GPU
+    has FP4 tensor cores; NVFP4 keeps GEMV up to 2 pairs per expert and the dot path above; prefill
+    takes 64-row dot blocks."""
     pairs, experts = tokens * 6, 256
     cases = (("mxfp4", False, mxfp4), ("nvfp4", False, nvfp4), ("mxfp4", True, mxfp4_native),
              ("nvfp4", True, nvfp4))
@@ -251,8 +254,7 @@ def test_size_class_rule(tokens, mxfp4, nvfp4, mxfp4_native):
         assert moe.size_class(pairs, experts, fmt, native) == expected, (fmt, native)
         config = moe.choose_config(pairs, experts, fmt, native)
         assert config == moe.DEFAULT_CONFIGS[expected]
-        assert config.path == expected.rstrip("0123456789")
-        assert config.block_m == (1 if expected == "gemv" else int(expected.lstrip("gemvadot")))
+        assert config.path == ("gemv" if expected == "gemv" else expected[:3])
 
 
 @pytest.mark.parametrize(
