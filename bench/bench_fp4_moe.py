@@ -141,7 +141,8 @@ def touched_bytes(ids: torch.Tensor, w: dict, hidden: int) -> int:
     return touched * per_expert + 2 * ids.shape[0] * hidden * 2
 
 
-EXPERT_KERNELS = (moe._gate_up_kernel, moe._down_kernel, moe._gate_up_gemv_kernel, moe._down_gemv_kernel)
+EXPERT_KERNELS = (moe._gate_up_kernel, moe._down_kernel, moe._gate_up_gemv_kernel, moe._down_gemv_kernel,
+                  moe._gate_up_mma_kernel, moe._down_mma_kernel)
 
 
 def shared_memory_records() -> list[dict]:
@@ -276,20 +277,28 @@ def _dot(block_m, block_n, block_k, warps, stages):
     return moe.TileConfig("dot", block_m, block_n, block_k, num_warps=warps, num_stages=stages)
 
 
+def _mma(block_m, block_n, block_k, warps, stages):
+    return moe.TileConfig("mma", block_m, block_n, block_k, num_warps=warps, num_stages=stages)
+
+
 # Candidates per M at V4-Flash sizes (E=256, k=6); the table marks the default (`choose_config`). M=1
 # and 8 share their list (one size class) so they compile once; the dot entries are the pre-GEMV kernel.
 # The prefetch=True entries load the next K step's weights before decoding the current one (see
-# fp4_moe's GEMV path comment); configs that lost in every earlier sweep were dropped for them.
-_DECODE = [_gemv(1, 16, 512, 4), _gemv(1, 16, 256, 4), _gemv(1, 32, 512, 8), _dot(16, 64, 128, 4, 2),
-           _gemv(1, 16, 512, 4, True), _gemv(1, 16, 256, 4, True), _gemv(1, 32, 512, 8, True)]
+# fp4_moe's GEMV path comment). The mma entries are the swap-AB tensor-core path (fp4_moe's MMA path
+# comment); the 1- and 2-warp 512-column ones won the extra sweeps of the third session (more
+# programs in flight per SM), the others are the earlier best. Configs that lost in every earlier
+# sweep were dropped.
+_DECODE = [_gemv(1, 16, 512, 4), _gemv(1, 16, 256, 4), _dot(16, 64, 128, 4, 2),
+           _gemv(1, 16, 512, 4, True), _gemv(1, 32, 512, 8, True),
+           _mma(8, 32, 256, 2, 4), _mma(8, 16, 512, 1, 2), _mma(8, 32, 512, 2, 2)]
 SWEEP_CANDIDATES = {
     1: _DECODE,
     8: _DECODE,
-    64: [_gemv(2, 16, 512, 4), _gemv(1, 16, 512, 4), _gemv(2, 16, 256, 4), _dot(16, 64, 128, 4, 2),
-         _dot(16, 32, 256, 4, 3), _gemv(1, 16, 512, 4, True), _gemv(2, 16, 512, 4, True),
-         _gemv(2, 16, 256, 4, True)],
-    256: [_gemv(8, 16, 512, 8), _gemv(4, 16, 512, 4), _gemv(2, 16, 512, 4), _dot(16, 64, 128, 4, 2),
-          _dot(16, 128, 128, 8, 3), _dot(32, 64, 128, 4, 3), _gemv(4, 16, 256, 4, True)],
+    64: [_gemv(1, 16, 512, 4), _gemv(2, 16, 256, 4), _dot(16, 64, 128, 4, 2),
+         _gemv(1, 16, 512, 4, True), _gemv(2, 16, 256, 4, True),
+         _mma(8, 64, 256, 4, 4), _mma(8, 16, 512, 1, 2), _mma(8, 32, 512, 2, 2), _mma(8, 32, 512, 2, 3)],
+    256: [_gemv(4, 16, 512, 4), _dot(16, 64, 128, 4, 2), _dot(16, 128, 128, 8, 3),
+          _mma(16, 64, 128, 2, 3), _mma(16, 16, 512, 1, 2), _mma(8, 16, 512, 1, 2), _mma(8, 32, 512, 2, 2)],
 }
 
 
@@ -310,7 +319,7 @@ def sweep_case(fmt, tokens, cfg, w, timer, device, gen, candidates) -> list[dict
     want = moe.fp4_moe_reference(*args).float()
     scale = max(want.abs().max().item(), 1e-6)
     floor_ms = touched_bytes(ids, w, hidden) / HBM_BYTES_PER_S * 1e3
-    default = moe.choose_config(tokens * top_k, experts)
+    default = moe.choose_config(tokens * top_k, experts, fmt, moe.native_fp4_dot(x, fmt))
     rows = []
     for config in candidates:
         def run(config=config):
@@ -389,7 +398,7 @@ def main() -> None:
     if args.smoke:
         cfg = dict(E=8, K=64, I=32, k=2, Ms=(1, 4), compile_bytes=1 << 40,
                    candidates={m: [_gemv(1, 16, 64, 4), _gemv(2, 8, 32, 2), _gemv(2, 8, 32, 2, True),
-                                       _dot(16, 32, 32, 4, 1)] for m in (1, 4)})
+                                       _dot(16, 32, 32, 4, 1), _mma(8, 16, 32, 1, 1)] for m in (1, 4)})
         device = "cpu"
         if os.environ.get("TRITON_INTERPRET") != "1":
             raise SystemExit("--smoke runs the kernels under the interpreter: set TRITON_INTERPRET=1")

@@ -83,15 +83,23 @@ def sparse_mla_cases() -> None:
                 print(f"sparse_mla {layer} {fmt} T={tokens}: ok (max abs err {err:.2e})", flush=True)
 
 
-# The GEMV loop that loads one K step ahead: its last step's masked loads point past the last
-# expert's rows (every pair on expert 255 at M=64), where memcheck sees a missing mask.
-PREFETCH_CONFIG = fp4_moe.TileConfig("gemv", 1, 16, 512, num_warps=4, prefetch=True)
+# Forced configs besides the op's default launch: the GEMV loop that loads one K step ahead (its last
+# step's masked loads point past the last expert's rows: every pair on expert 255 at M=64, where
+# memcheck sees a missing mask), and the mma path with its cp.async-pipelined weight and scale-word
+# loads, in wgmma (BLOCK_M 16) and mma.sync (BLOCK_M 8: the MXFP4 defaults, here for NVFP4 and every M
+# too) operand order.
+FORCED_CONFIGS = {
+    "prefetch": fp4_moe.TileConfig("gemv", 1, 16, 512, num_warps=4, prefetch=True),
+    "mma16": fp4_moe.TileConfig("mma", 16, 128, 128, num_warps=4, num_stages=3),
+    "mma1w": fp4_moe.DEFAULT_CONFIGS["mma1w"],
+    "mma2w": fp4_moe.DEFAULT_CONFIGS["mma2w"],
+}
 
 
 def fp4_moe_cases(gen: torch.Generator) -> None:
     """V4-Flash experts (E=256, K=4096, I=2048), top-6, both formats; M in {1, 64, 256};
     -1 ids and, at M=64, every pair on one expert. Each case runs the op (its default launch)
-    and the forced prefetching GEMV config."""
+    and each of FORCED_CONFIGS."""
     for fmt in ("mxfp4", "nvfp4"):
         weights = bench_fp4_moe.random_experts(fmt, 256, 4096, 2048, DEVICE, gen)
         for tokens in (1, 64, 256):
@@ -105,9 +113,11 @@ def fp4_moe_cases(gen: torch.Generator) -> None:
             args = bench_fp4_moe.op_args(x, ids, topk_weights, weights)
             ref = fp4_moe.fp4_moe_reference(*args)
             scale = ref.float().abs().max().item()
-            prefetched = fp4_moe.fp4_moe_pairs_triton(*args, config=PREFETCH_CONFIG)
-            for name, out in (("default", fp4_moe.fp4_moe(*args)),
-                              ("prefetch", fp4_moe.combine_pairs(prefetched, ids, 256, x.dtype))):
+            outs = {"default": fp4_moe.fp4_moe(*args)}
+            for name, config in FORCED_CONFIGS.items():
+                pairs = fp4_moe.fp4_moe_pairs_triton(*args, config=config)
+                outs[name] = fp4_moe.combine_pairs(pairs, ids, 256, x.dtype)
+            for name, out in outs.items():
                 torch.cuda.synchronize()
                 # bf16 output of an f32-accumulated K=4096/I=2048 product: 2**-7 of the output scale.
                 err = (out.float() - ref.float()).abs().max().item()

@@ -14,10 +14,12 @@ Launch (capture-safe: static shapes, no host syncs):
 4. `combine_pairs`: out[m] = sum over the valid choices of m (a torch epilogue that inductor
    can fuse with what follows, e.g. the shared-expert add).
 
-Steps 2 and 3 have two kernel pairs behind one launcher: a GEMV path (`_gate_up_gemv_kernel`,
-`_down_gemv_kernel`; no tl.dot) for at most GEMV_MAX_ROWS pairs per expert on average (decode),
-and the dot path below for more (verify, prefill); `choose_config` picks by average pairs per
-expert, `TileConfig` overrides it (tests, bench --sweep).
+Steps 2 and 3 have three kernel pairs behind one launcher: a GEMV path (`_gate_up_gemv_kernel`,
+`_down_gemv_kernel`; no tl.dot) for a few pairs per expert on average (decode),
+an mma path (`_gate_up_mma_kernel`, `_down_mma_kernel`: tl.dot with the weight rows as its M
+side, for blocks of a few pairs; MXFP4 decode and verify) and the dot path below (NVFP4 verify,
+prefill); `choose_config` picks by average pairs per expert and format, `TileConfig` overrides it
+(tests, bench --sweep).
 
 On the dot path weights are dequantised to the dot dtype (bf16 for bf16 x on GPU, f32 for f32 x
 and under the interpreter) before tl.dot; on sm_100+ MXFP4 uses tl.dot_scaled on the packed codes
@@ -518,6 +520,237 @@ def _down_gemv_kernel(
     tl.store(pair_out_ptr + pair[:, None].to(tl.int64) * stride_o + cols[None, :], out, mask=out_mask)
 
 
+# MMA path: the dot path with A and B swapped for expert blocks of a few rows (decode, verify). The
+# BLOCK_N weight rows are the M side of tl.dot and the block's BLOCK_M pair rows its N side, so
+# padding a block of a few pairs to BLOCK_M costs tensor-core work only, and the weights never go
+# through shared memory: each thread loads its packed words as 16-byte vectors (cp.async, pipelined
+# by num_stages), decodes them in registers straight into the MMA's A-operand layout and multiplies
+# by the group scale. In the sm_90 SASS the K loop issues about 6 instructions per weight byte per
+# thread (4.3 of them decoding; the GEMV loop issues about 10). Three choices make that work:
+# - e2m1 -> bf16 two codes at a time (`_e2m1_pair_bits`): the masked nibbles times 2**6 + 2**12 put a
+#   code's magnitude at bf16 bits 6..8 and its sign at bit 15 (value * 2**-126; code 0.5 lands on a
+#   bf16 subnormal, exact) in each half of a 32-bit word; one bf16 multiply by scale * 2**62 (packed,
+#   `_scaled_pair`) makes the weight value * scale * 2**-64 (exact for ue8m0 scales in [2**-61, 2**65]
+#   and every finite e4m3 scale; a ue8m0 scale above 2**65 overflows to inf, NaN for code 0, where the
+#   other paths stay finite up to 2**113), and the epilogue multiplies by 2**64.
+# - The reduction order inside a BLOCK_K tile is permuted so that the codes a thread holds in the MMA
+#   layout are the codes of its own contiguous words: thread q of a quad holds words
+#   [q * BLOCK_K / 32, (q + 1) * BLOCK_K / 32) of its rows, and the activations are permuted to match
+#   (`mma_operand_order` on the host for x, `_mma_k_position` where the gate/up kernel stores the hidden
+#   rows). KPACK is how many code pairs the MMA layout keeps adjacent per thread: 1 for sm_90's wgmma,
+#   2 for mma.sync (`_mma_kpack`).
+# - The words are loaded as [quad lane, row in 8, warp, row half, repeat, word]: Triton's coalescer then
+#   gives the lanes and warps exactly the rows and columns the MMA layout gives them, so the final
+#   convert to the dot operand is a register renaming. The scales come as int32 words of 4 scale bytes
+#   (cp.async needs 4 bytes) from which each thread shifts out its own. A different Triton layout
+#   choice would only cost a layout conversion, never correctness.
+def mma_operand_order(a: torch.Tensor, block_k: int, kpack: int) -> torch.Tensor:
+    """a [R, C] (C % block_k == 0, block_k >= 32) -> its columns in the MMA path's reduction order
+    (see `_mma_k_position`), contiguous."""
+    rows, cols = a.shape
+    tiles = a.reshape(rows, cols // block_k, 4, block_k // 32, 2, 2, 2)  # [r, tile, q, u, a, c, b]
+    order = (0, 1, 3, 5, 6, 2, 4) if kpack == 1 else (0, 1, 3, 5, 2, 6, 4)
+    return tiles.permute(order).reshape(rows, cols)
+
+
+def _scale_words(scale: torch.Tensor) -> torch.Tensor:
+    """uint8 scales [E, R, C] -> int32 words [E, R, cdiv(C, 4)] (rows padded to whole words)."""
+    if scale.shape[-1] % 4:
+        logger.warning("fp4_moe: scale rows of %d bytes are padded to whole words on every call (mma path)",
+                       scale.shape[-1])
+        scale = torch.nn.functional.pad(scale, (0, -scale.shape[-1] % 4))
+    return _as_words(scale)
+
+
+def _mma_kpack(x: torch.Tensor, config: TileConfig) -> int:
+    """Code pairs per thread that the MMA operand layout keeps adjacent: 1 where Triton uses sm_90's
+    wgmma (operand kWidth 2), 2 for mma.sync (kWidth 4). The interpreter follows the sm_90 rule."""
+    wgmma = config.block_m >= 16 and config.block_n % 64 == 0 and config.num_warps % 4 == 0
+    if x.is_cuda:
+        wgmma = wgmma and torch.cuda.get_device_capability(x.device)[0] == 9
+    return 1 if wgmma else 2
+
+
+@triton.jit
+def _mma_k_position(k, BLOCK_K: tl.constexpr, KPACK: tl.constexpr):
+    """Reduction index k -> its position in the MMA path's order: in a BLOCK_K tile, code 2c + b + 4a of
+    word u of quad lane q (k = 8 * (q * BLOCK_K / 32 + u) + 4a + 2c + b) goes to 8 * (4u + 2c + b) + 2q + a
+    (KPACK 1) or 16 * (2u + c) + 4q + 2b + a (KPACK 2)."""
+    U: tl.constexpr = BLOCK_K // 32
+    t = k % BLOCK_K
+    q = t // (8 * U)
+    u = (t // 8) % U
+    a = (t // 4) % 2
+    c = (t // 2) % 2
+    b = t % 2
+    if KPACK == 1:
+        pos = 8 * (4 * u + 2 * c + b) + 2 * q + a
+    else:
+        pos = 16 * (2 * u + c) + 4 * q + 2 * b + a
+    return k - t + pos
+
+
+@triton.jit
+def _e2m1_pair_bits(words, Q: tl.constexpr):
+    """uint32 words of 8 e2m1 codes -> uint32 with codes Q and Q + 4 (Q in 0..3) as the bf16 bits of
+    value * 2**-126 in the low and high half. The masked nibbles times 2**6 + 2**12 (the two copies do
+    not overlap) put each code's magnitude at bits 6..8 and its sign at bit 15 of its half."""
+    w = words
+    if Q >= 2:
+        w = words >> 8
+    if Q % 2 == 0:
+        bits = ((w & 0x000F000F) * 0x1040) & 0x81C081C0
+    else:
+        bits = ((w & 0x00F000F0) * 0x0104) & 0x81C081C0
+    return bits
+
+
+@triton.jit
+def _scaled_pair(bits, scale, DOT_DTYPE: tl.constexpr):
+    """Pair bits from `_e2m1_pair_bits` [...] times scale [..., 1] -> [..., 2] DOT_DTYPE (low, high)."""
+    if DOT_DTYPE == tl.bfloat16:
+        # As (low, high) bf16 pairs: ptxas issues one packed bf16 multiply per 32-bit word.
+        low = (bits & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        high = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        pair = tl.join(low, high) * scale.to(tl.bfloat16)
+    else:
+        # f32 operands (f32 x, and the interpreter, whose bf16 emulation has no arithmetic and flushes
+        # bf16 subnormals): the same values as f32 (a bf16 is the high half of an f32).
+        low = (bits << 16).to(tl.float32, bitcast=True)
+        high = (bits & 0xFFFF0000).to(tl.float32, bitcast=True)
+        pair = tl.join(low, high) * scale
+    return pair
+
+
+@triton.jit
+def _mma_weight_tile(w_ptr, s_ptr, row0, n_rows, k0, stride_w, stride_s,
+                     IS_MX: tl.constexpr, GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, NUM_WARPS: tl.constexpr, KPACK: tl.constexpr):
+    """Rows [row0, row0 + BLOCK_N) (zero at and past n_rows) x the BLOCK_K tile at k0 of an FP4 matrix
+    (int32 words, int32 scale words) -> [BLOCK_N, BLOCK_K] DOT_DTYPE value * scale * 2**-64 (without the
+    nvfp4 global scale), columns in the MMA path's order."""
+    U: tl.constexpr = BLOCK_K // 32  # words per quad lane and row
+    WPG: tl.constexpr = GROUP // 8  # words per scale group
+    REP: tl.constexpr = BLOCK_N // (16 * NUM_WARPS)
+    SPQ: tl.constexpr = U // WPG if U >= WPG else 1  # scales per quad lane and row
+    q = tl.arange(0, 4)[:, None, None, None, None, None]
+    lane_row = tl.arange(0, 8)[None, :, None, None, None, None]
+    warp = tl.arange(0, NUM_WARPS)[None, None, :, None, None, None]
+    half = tl.arange(0, 2)[None, None, None, :, None, None]
+    rep = tl.arange(0, REP)[None, None, None, None, :, None]
+    row = row0 + rep * (16 * NUM_WARPS) + warp * 16 + half * 8 + lane_row
+    row_ok = row < n_rows
+    u = tl.arange(0, U)[None, None, None, None, None, :]
+    words = tl.load(w_ptr + row * stride_w + (k0 // 8 + q * U + u), mask=row_ok, other=0)
+    s_idx = k0 // GROUP + (q * U) // WPG + tl.arange(0, SPQ)[None, None, None, None, None, :]
+    s_word = tl.load(s_ptr + row * stride_s + s_idx // 4, mask=row_ok, other=0)
+    scale = _block_scale((s_word >> (s_idx % 4) * 8) & 0xFF, IS_MX) * 2.0**62
+    scale = tl.reshape(scale, (4, 8, NUM_WARPS, 2, REP, SPQ, 1, 1))
+    w = tl.reshape(words.to(tl.uint32, bitcast=True), (4, 8, NUM_WARPS, 2, REP, SPQ, U // SPQ))
+    pairs = tl.join(tl.join(_scaled_pair(_e2m1_pair_bits(w, 0), scale, DOT_DTYPE),
+                            _scaled_pair(_e2m1_pair_bits(w, 1), scale, DOT_DTYPE)),
+                    tl.join(_scaled_pair(_e2m1_pair_bits(w, 2), scale, DOT_DTYPE),
+                            _scaled_pair(_e2m1_pair_bits(w, 3), scale, DOT_DTYPE)))
+    pairs = tl.reshape(pairs, (4, 8, NUM_WARPS, 2, REP, U, 2, 2, 2))  # [q, lane_row, warp, half, rep, u, a, b, c]
+    if KPACK == 1:
+        pairs = tl.permute(pairs, (4, 2, 3, 1, 5, 8, 7, 0, 6))  # rows (rep, warp, half, lane_row), k (u, c, b, q, a)
+    else:
+        pairs = tl.permute(pairs, (4, 2, 3, 1, 5, 8, 0, 7, 6))  # k (u, c, q, b, a)
+    return tl.reshape(pairs, (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def _gate_up_mma_kernel(
+    x_ptr, order_ptr, block_expert_ptr, block_start_ptr, block_end_ptr,
+    w13_ptr, s13_ptr, g13_ptr, hidden_ptr,
+    E,
+    stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h,
+    LIMIT,
+    K: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, IS_MX: tl.constexpr, GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    NUM_WARPS: tl.constexpr, KPACK: tl.constexpr,
+):
+    """x [M, K] in MMA order, w13 / scales as int32 words -> hidden [M*k, I] in MMA order (sorted pairs)."""
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block)
+    if expert >= E:
+        return
+    start = tl.load(block_start_ptr + block)
+    end = tl.load(block_end_ptr + block)
+    rows = start + tl.arange(0, BLOCK_M)
+    row_mask = rows < end
+    token = tl.load(order_ptr + rows, mask=row_mask, other=0) // TOP_K
+    col0 = tl.program_id(1) * BLOCK_N
+    w_base = w13_ptr + expert.to(tl.int64) * stride_we
+    s_base = s13_ptr + expert.to(tl.int64) * stride_se
+    acc_gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    kk = tl.arange(0, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):
+        xt = tl.load(x_ptr + token[None, :] * stride_x + (k0 + kk)[:, None], mask=row_mask[None, :], other=0.0)
+        xt = xt.to(DOT_DTYPE)
+        gate_w = _mma_weight_tile(w_base, s_base, col0, I, k0, stride_wn, stride_sn,
+                                  IS_MX, GROUP, DOT_DTYPE, BLOCK_N, BLOCK_K, NUM_WARPS, KPACK)
+        acc_gate = tl.dot(gate_w, xt, acc_gate, input_precision="ieee")
+        up_w = _mma_weight_tile(w_base + I * stride_wn, s_base + I * stride_sn, col0, I, k0, stride_wn, stride_sn,
+                                IS_MX, GROUP, DOT_DTYPE, BLOCK_N, BLOCK_K, NUM_WARPS, KPACK)
+        acc_up = tl.dot(up_w, xt, acc_up, input_precision="ieee")
+    fix = 2.0**64  # the 2**-64 of the decoded weights
+    if not IS_MX:
+        fix = fix * tl.load(g13_ptr + expert)
+    gate = acc_gate * fix
+    up = acc_up * fix
+    if HAS_LIMIT:
+        gate = tl.minimum(gate, LIMIT)
+        up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    cols = col0 + tl.arange(0, BLOCK_N)
+    out_mask = (cols < I)[:, None] & row_mask[None, :]
+    out_cols = _mma_k_position(cols, BLOCK_K, KPACK)
+    tl.store(hidden_ptr + rows[None, :] * stride_h + out_cols[:, None], act.to(hidden_ptr.dtype.element_ty),
+             mask=out_mask)
+
+
+@triton.jit
+def _down_mma_kernel(
+    hidden_ptr, order_ptr, block_expert_ptr, block_start_ptr, block_end_ptr, weights_ptr,
+    w2_ptr, s2_ptr, g2_ptr, pair_out_ptr,
+    E,
+    stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_o,
+    K: tl.constexpr, I: tl.constexpr, IS_MX: tl.constexpr, GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    NUM_WARPS: tl.constexpr, KPACK: tl.constexpr,
+):
+    """hidden [M*k, I] in MMA order, w2 / scales as int32 words -> weighted pair outputs [M*k, K] f32."""
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block)
+    if expert >= E:
+        return
+    start = tl.load(block_start_ptr + block)
+    end = tl.load(block_end_ptr + block)
+    rows = start + tl.arange(0, BLOCK_M)
+    row_mask = rows < end
+    col0 = tl.program_id(1) * BLOCK_N
+    w_base = w2_ptr + expert.to(tl.int64) * stride_we
+    s_base = s2_ptr + expert.to(tl.int64) * stride_se
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    kk = tl.arange(0, BLOCK_K)
+    for k0 in range(0, I, BLOCK_K):
+        ht = tl.load(hidden_ptr + rows[None, :] * stride_h + (k0 + kk)[:, None], mask=row_mask[None, :], other=0.0)
+        w = _mma_weight_tile(w_base, s_base, col0, K, k0, stride_wn, stride_sn,
+                             IS_MX, GROUP, DOT_DTYPE, BLOCK_N, BLOCK_K, NUM_WARPS, KPACK)
+        acc = tl.dot(w, ht.to(DOT_DTYPE), acc, input_precision="ieee")
+    pair = tl.load(order_ptr + rows, mask=row_mask, other=0)
+    routing = tl.load(weights_ptr + pair, mask=row_mask, other=0.0) * 2.0**64
+    if not IS_MX:
+        routing = routing * tl.load(g2_ptr + expert)
+    acc = acc * routing[None, :]
+    cols = col0 + tl.arange(0, BLOCK_N)
+    out_mask = (cols < K)[:, None] & row_mask[None, :]
+    tl.store(pair_out_ptr + pair[None, :].to(tl.int64) * stride_o + cols[:, None], acc, mask=out_mask)
+
+
 def expert_blocks(topk_ids: torch.Tensor, experts: int, block_m: int):
     """Group the (token, choice) pairs by expert into blocks of `block_m` rows, on device.
 
@@ -564,7 +797,9 @@ def native_fp4_dot(x: torch.Tensor, fmt: str) -> bool:
 class TileConfig:
     """One launch configuration of the two expert kernels.
 
-    path: "gemv" (no tl.dot; for expert blocks of a few rows) or "dot" (tl.dot / tl.dot_scaled).
+    path: "gemv" (no tl.dot; for expert blocks of a few rows), "dot" (tl.dot / tl.dot_scaled) or "mma"
+    (tl.dot with the weight rows as the M side, see the MMA path comment; block_n a multiple of
+    16 * num_warps, block_k >= 32, K and I multiples of 32).
     block_m: pair rows per expert block; block_n: output columns per program; block_k: reduction
     columns per loop step (clamped to what divides K and I, see `_fit_block_k`); prefetch (GEMV path
     only): load the next K step's weights before decoding the current one (see the GEMV path comment).
@@ -579,48 +814,84 @@ class TileConfig:
     prefetch: bool = False
 
     def __post_init__(self):
-        if self.path not in ("gemv", "dot"):
-            raise ValueError(f"TileConfig.path must be 'gemv' or 'dot', got {self.path!r}")
+        if self.path not in ("gemv", "dot", "mma"):
+            raise ValueError(f"TileConfig.path must be 'gemv', 'dot' or 'mma', got {self.path!r}")
         for name in ("block_m", "block_n", "block_k"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"TileConfig.{name} must be a power of two, got {value}")
         if self.path == "dot" and self.block_m < 16:
             raise ValueError(f"TileConfig.block_m must be >= 16 for the dot path (tl.dot), got {self.block_m}")
+        if self.path == "mma" and self.block_k < 32:
+            raise ValueError(f"TileConfig.block_k must be >= 32 for the mma path (a word per quad lane), "
+                             f"got {self.block_k}")
+        if self.path == "mma" and self.block_n % (16 * self.num_warps):
+            raise ValueError(f"TileConfig.block_n must be a multiple of 16 * num_warps = {16 * self.num_warps} "
+                             f"for the mma path, got {self.block_n}")
         if self.prefetch and self.path != "gemv":
-            raise ValueError("TileConfig.prefetch applies to the gemv path only (the dot path uses num_stages)")
+            raise ValueError("TileConfig.prefetch applies to the gemv path only (the others use num_stages)")
 
 
 # The path by average pairs per expert (M*k / E; a static shape fact, so the choice is
-# capture-safe), from the H200 sweep (bench/bench_fp4_moe.py --sweep, V4-Flash E=256, k=6,
-# bench/RESULTS.md): at 1 pair per expert (M=1, 8) one-row GEMV blocks are the fastest (M=1: 0.134
-# vs 0.195 ms dot); at ~2 (M=64) one-row GEMV blocks (2.23 / 2.47 ms MXFP4 / NVFP4) match the best
-# of two-row blocks (2.47 / 2.36) and the dot path (2.52 / 2.41), although each pair re-reads its
-# expert's weights (mostly from L2: the blocks of one expert are adjacent in the grid); at 6
-# (M=256, verify) the dot path is twice as fast as any GEMV block (3.27 vs 6.75 ms). Prefetching
-# (see the GEMV path comment) changed the one-row GEMV by -5% to +1% in the same sweep (MXFP4 M=8
-# 0.387 -> 0.368 ms, M=64 2.235 -> 2.194; NVFP4 M=64 2.469 -> 2.495): the loop is bound by its
-# instructions per weight byte, not by load latency. The default prefetches (the end-to-end runs
-# of bench/RESULTS.md used it).
+# capture-safe) and format, from the H200 sweeps (bench/bench_fp4_moe.py --sweep, V4-Flash E=256,
+# k=6, bench/RESULTS.md). At 1 pair per expert (M=1, 8) one-row GEMV blocks are the fastest for
+# both formats (M=1: 0.134 ms vs 0.157 the best mma, 0.195 dot). MXFP4 above that takes the mma
+# path with 8-row blocks, few warps and a deep K step (more programs in flight per SM, each with
+# 512 reduction columns per step): M=64 (2 pairs per expert) 1.23 ms with 16-column 1-warp
+# programs vs 1.30 with 32-column 2-warp ones, 1.80 with 64-column 4-warp ones, 2.19 GEMV and 2.54
+# dot; M=256 (verify, 6 per expert) 1.92 ms with the 2-warp tile vs 2.06 16-row 1-warp, 3.29 dot
+# and 6.75 GEMV. NVFP4 gained nothing from the mma tiles of the first sweep (its e4m3 scales cost
+# more to apply; M=64: 2.99 mma vs 2.36 two-row GEMV, M=256: 3.13 vs 3.16 dot), so it keeps GEMV up
+# to GEMV_MAX_ROWS and the dot path above. Beyond 16 pairs per expert (prefill) both take 64-row
+# dot blocks. Where FP4 tensor cores exist (sm_100+) MXFP4 keeps the dot path, which uses
+# tl.dot_scaled there. Prefetching (see the GEMV path comment) changed the one-row GEMV by -5% to
+# +1%: that loop is bound by its instructions per weight byte, not by load latency. The mma path's
+# exactness range is in the MMA path comment (ue8m0 scales up to 2**65; the model's experts are
+# checked once, see check_mxfp4_scale_range).
 GEMV_MAX_ROWS = 2
+MMA_1W_MAX_ROWS = 4
+DENSE_MIN_ROWS = 17
 DEFAULT_CONFIGS = {
     "gemv": TileConfig("gemv", 1, 16, 512, num_warps=4, prefetch=True),
+    "mma1w": TileConfig("mma", 8, 16, 512, num_warps=1, num_stages=2),
+    "mma2w": TileConfig("mma", 8, 32, 512, num_warps=2, num_stages=2),
     "dot16": TileConfig("dot", 16, 64, 128, num_warps=4, num_stages=2),
     "dot64": TileConfig("dot", 64, 64, 128, num_warps=4, num_stages=2),
 }
 
 
-def size_class(pairs: int, experts: int) -> str:
-    """The DEFAULT_CONFIGS key for M*k = `pairs` (token, choice) pairs over `experts` experts."""
+def size_class(pairs: int, experts: int, fmt: str, native_fp4: bool = False) -> str:
+    """The DEFAULT_CONFIGS key for M*k = `pairs` (token, choice) pairs over `experts` experts in
+    format `fmt`; `native_fp4`: the GPU has FP4 tensor cores (see native_fp4_dot)."""
     average = max(1, -(-pairs // experts))
-    if average <= GEMV_MAX_ROWS:
-        return "gemv"
-    return "dot16" if average <= 16 else "dot64"
+    if average >= DENSE_MIN_ROWS:
+        return "dot64"
+    if fmt == "mxfp4" and not native_fp4 and average > 1:
+        return "mma1w" if average <= MMA_1W_MAX_ROWS else "mma2w"
+    return "gemv" if average <= GEMV_MAX_ROWS else "dot16"
 
 
-def choose_config(pairs: int, experts: int) -> TileConfig:
-    """The launch configuration for M*k = `pairs` pairs over `experts` experts (see GEMV_MAX_ROWS)."""
-    return DEFAULT_CONFIGS[size_class(pairs, experts)]
+def choose_config(pairs: int, experts: int, fmt: str, native_fp4: bool = False) -> TileConfig:
+    """The launch configuration for M*k = `pairs` pairs over `experts` experts (see size_class)."""
+    return DEFAULT_CONFIGS[size_class(pairs, experts, fmt, native_fp4)]
+
+
+# The mma path applies a ue8m0 scale as a bf16 factor scale * 2**62 (MMA path comment), finite up to
+# scale 2**65: exponent code 127 + 65.
+MMA_MAX_UE8M0 = 192
+
+
+def check_mxfp4_scale_range(**scales: torch.Tensor) -> None:
+    """Raise ValueError naming the tensor when an MXFP4 ue8m0 scale tensor (uint8) holds an exponent
+    code above MMA_MAX_UE8M0 (scale > 2**65), which the mma path would turn into inf. Meant for load
+    time (one reduction per tensor and a host sync), not for the captured step."""
+    for name, scale in scales.items():
+        if scale.device.type == "meta" or scale.numel() == 0:
+            continue
+        top = int(scale.view(torch.uint8).max())
+        if top > MMA_MAX_UE8M0:
+            raise ValueError(f"{name} holds a ue8m0 scale 2**{top - 127} (code {top}); dsv4's MXFP4 kernels "
+                             f"accept scales up to 2**{MMA_MAX_UE8M0 - 127} (code {MMA_MAX_UE8M0})")
 
 
 def _fit_block_k(block_k: int, hidden: int, inter: int, group: int) -> int:
@@ -642,12 +913,12 @@ def fp4_moe_pairs_triton(
     experts, two_inter, _ = w13.shape
     inter, top_k = two_inter // 2, topk_ids.shape[1]
     pairs = tokens * top_k
-    if config is None:
-        config = choose_config(pairs, experts)
     interpreted = not x.is_cuda
     dot_dtype = tl.float32 if (interpreted or x.dtype == torch.float32) else tl.bfloat16
     if use_dot_scaled is None:
         use_dot_scaled = native_fp4_dot(x, fmt)
+    if config is None:
+        config = choose_config(pairs, experts, fmt, native_fp4_dot(x, fmt))
     group = GROUP[fmt]
     x = x.contiguous()
     order, block_expert, block_start, block_end = expert_blocks(topk_ids, experts, config.block_m)
@@ -660,6 +931,8 @@ def fp4_moe_pairs_triton(
     if pairs == 0:
         return pair_out
     block_k = _fit_block_k(config.block_k, hidden, inter, group)
+    if config.path == "mma" and block_k < 32:
+        raise ValueError(f"fp4_moe: the mma path needs K and I multiples of 32, got K={hidden}, I={inter}")
     block_n = config.block_n
     # Scales are read as raw bytes; the nvfp4 e4m3 bytes are decoded in the kernel.
     s13, s2 = w13_scale.view(torch.uint8), w2_scale.view(torch.uint8)
@@ -672,6 +945,12 @@ def fp4_moe_pairs_triton(
         gate_up, down = _gate_up_gemv_kernel, _down_gemv_kernel
         common.update(PREFETCH=config.prefetch)
         x, w13, w2 = word_major(x.float()), _as_words(w13), _as_words(w2)
+    elif config.path == "mma":
+        gate_up, down = _gate_up_mma_kernel, _down_mma_kernel
+        kpack = _mma_kpack(x, config)
+        common.update(DOT_DTYPE=dot_dtype, NUM_WARPS=config.num_warps, KPACK=kpack)
+        x, w13, w2 = mma_operand_order(x, block_k, kpack), _as_words(w13), _as_words(w2)
+        s13, s2 = _scale_words(s13), _scale_words(s2)
     else:
         gate_up, down = _gate_up_kernel, _down_kernel
         common.update(USE_DOT_SCALED=use_dot_scaled, DOT_DTYPE=dot_dtype)

@@ -27,3 +27,23 @@ def test_fp4_experts_generate_like_transformers(fmt):
     got = engine.generate(prompts, NEW_TOKENS)
     for prompt, tokens in zip(prompts, got):
         assert tokens == transformers_greedy(model, prompt, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("name", ["w13_scale", "w2_scale"])
+def test_mxfp4_scale_beyond_kernel_range_rejected_at_optimize(name):
+    """A ue8m0 scale above 2**65 (code 192; the mma path's bf16 scale factor overflows past it) is a
+    ValueError naming the tensor when optimize() builds the step; 2**65 itself is accepted."""
+    from helpers import make_experts
+    from dsv4_compile.model.fp4_experts import RoutedExperts
+
+    tensors = make_experts("mxfp4", experts=4, hidden=64, inter=32, seed=5)
+    tensors[name].view(-1)[7] = 192
+    RoutedExperts(Fp4Experts("mxfp4", tensors, None))
+    tensors[name].view(-1)[7] = 193
+    with pytest.raises(ValueError, match=rf"{name} holds a ue8m0 scale 2\*\*66 \(code 193\)"):
+        RoutedExperts(Fp4Experts("mxfp4", tensors, None))
+    model = tiny_model(seed=4)
+    quantize_experts_(model, "mxfp4")
+    model.model.layers[1].mlp.experts.w2_scale.view(-1)[3] = 255
+    with pytest.raises(ValueError, match="w2_scale holds a ue8m0 scale 2\\*\\*128"):
+        dsv4_compile.optimize(model, max_batch=2, max_context=256, compile=False)

@@ -41,6 +41,8 @@ FORCED_CONFIGS = [
     moe.TileConfig("dot", 16, 32, 32, num_stages=2),
     moe.TileConfig("gemv", 1, 32, 32, prefetch=True),
     moe.TileConfig("gemv", 2, 16, 64, num_warps=2, prefetch=True),
+    moe.TileConfig("mma", 16, 64, 64, num_stages=2),  # wgmma operand order (KPACK 1)
+    moe.TileConfig("mma", 4, 16, 32, num_warps=1),  # mma.sync operand order (KPACK 2), one word per lane
 ]
 
 
@@ -175,15 +177,17 @@ def test_fake_and_compile():
 @pytest.mark.parametrize(
     "path_config",
     [moe.TileConfig("gemv", 2, 32, 64), moe.TileConfig("dot", 16, 32, 64),
-     moe.TileConfig("gemv", 2, 32, 32, prefetch=True), moe.TileConfig("gemv", 1, 16, 64, prefetch=True)],
-    ids=["gemv", "dot", "gemv_prefetch", "gemv_prefetch_one_down_step"],
+     moe.TileConfig("gemv", 2, 32, 32, prefetch=True), moe.TileConfig("gemv", 1, 16, 64, prefetch=True),
+     moe.TileConfig("mma", 16, 128, 64, num_stages=3), moe.TileConfig("mma", 8, 32, 128, num_warps=2)],
+    ids=["gemv", "dot", "gemv_prefetch", "gemv_prefetch_one_down_step", "mma_wgmma_order", "mma_sync_order"],
 )
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 def test_each_path_matches_reference(path_config, fmt):
     """Both paths regardless of the selection rule: -1 ids, an expert with more rows than one block
     (skewed), empty experts, swiglu_limit; poisoned outputs; K and I that span several K steps (the
     prefetching GEMV loop also with a single step over I = BLOCK_K, where it only loads past the end,
-    masked)."""
+    masked; the mma path with two row repeats per warp and rows past the last weight row (BLOCK_N =
+    128 > I), and with one K step of two words per lane over I)."""
     experts, hidden, inter, tokens, top_k = 8, 128, 64, 7, 3
     w = make_experts(fmt, experts, hidden, inter, seed=11)
     ids, weights = make_routing(tokens, top_k, experts, "skewed", seed=11)
@@ -197,36 +201,68 @@ def test_each_path_matches_reference(path_config, fmt):
     assert_close_scaled(moe.combine_pairs(pairs, ids, experts, x.dtype), want, torch.float32)
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_gemv_all_tokens_on_one_expert(prefetch):
+@pytest.mark.parametrize("name", ["mma1w", "mma2w"])
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_mma_several_scale_groups_per_lane(fmt, name):
+    """The default mma tiles with their BLOCK_K = 512 (the other tests' K and I fit BLOCK_K to at most
+    64, one scale group per quad lane): each quad lane's words span several scale groups."""
+    experts, hidden, inter, tokens, top_k = 3, 512, 512, 5, 2
+    w = make_experts(fmt, experts, hidden, inter, seed=21)
+    ids, weights = make_routing(tokens, top_k, experts, "random", seed=21)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(22))
+    pair_out = torch.full((tokens * top_k, hidden), float("nan"))
+    config = moe.DEFAULT_CONFIGS[name]
+    assert config.block_k == hidden
+    pairs = moe.fp4_moe_pairs_triton(*_args(x, ids, weights, w, None), pair_out=pair_out, config=config)
+    want = moe.fp4_moe_reference(*_args(x, ids, weights, w, None))
+    assert_close_scaled(moe.combine_pairs(pairs, ids, experts, x.dtype), want, torch.float32)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [moe.TileConfig("gemv", 4, 16, 32), moe.TileConfig("gemv", 4, 16, 32, prefetch=True),
+     moe.TileConfig("mma", 4, 32, 32, num_warps=2)],
+    ids=["gemv", "gemv_prefetch", "mma"],
+)
+def test_all_tokens_on_one_expert(config):
     """Every pair on one expert: one run of blocks, all other experts empty (bf16 x)."""
     w = make_experts("nvfp4", 4, 64, 32, seed=13)
     ids, weights = make_routing(9, 2, 4, "one_expert", seed=13)
     x = torch.randn(9, 64, generator=torch.Generator().manual_seed(14)).to(torch.bfloat16)
-    config = moe.TileConfig("gemv", 4, 16, 32, prefetch=prefetch)
     pairs = moe.fp4_moe_pairs_triton(*_args(x, ids, weights, w, None), config=config)
     want = moe.fp4_moe_reference(*_args(x, ids, weights, w, None))
     assert_close_scaled(moe.combine_pairs(pairs, ids, 4, x.dtype), want, torch.bfloat16)
 
 
 @pytest.mark.parametrize(
-    "tokens, experts, expected",
-    [(1, 256, "gemv"), (8, 256, "gemv"), (64, 256, "gemv"), (85, 256, "gemv"), (86, 256, "dot16"),
-     (256, 256, "dot16"), (682, 256, "dot16"), (683, 256, "dot64"), (4096, 256, "dot64")],
+    "tokens, mxfp4, nvfp4, mxfp4_native",
+    [(1, "gemv", "gemv", "gemv"), (8, "gemv", "gemv", "gemv"), (42, "gemv", "gemv", "gemv"),
+     (43, "mma1w", "gemv", "gemv"), (64, "mma1w", "gemv", "gemv"), (85, "mma1w", "gemv", "gemv"),
+     (86, "mma1w", "dot16", "dot16"), (170, "mma1w", "dot16", "dot16"), (171, "mma2w", "dot16", "dot16"),
+     (256, "mma2w", "dot16", "dot16"), (682, "mma2w", "dot16", "dot16"), (683, "dot64", "dot64", "dot64"),
+     (4096, "dot64", "dot64", "dot64")],
 )
-def test_size_class_rule(tokens, experts, expected):
-    """V4-Flash (k=6): decode up to 2 pairs per expert takes one-row GEMV blocks, verify (M=256)
-    and prefill the dot path."""
-    assert moe.size_class(tokens * 6, experts) == expected
-    config = moe.choose_config(tokens * 6, experts)
-    assert config.path == ("gemv" if expected == "gemv" else "dot")
-    assert config.block_m == (1 if expected == "gemv" else int(expected[3:]))
+def test_size_class_rule(tokens, mxfp4, nvfp4, mxfp4_native):
+    """V4-Flash (E=256, k=6): one pair per expert takes one-row GEMV blocks; MXFP4 decode (M=64)
+    and verify (M=256) take the mma path (1 warp up to 4 pairs per expert, then 2) unless the GPU
+    has FP4 tensor cores; NVFP4 keeps GEMV up to 2 pairs per expert and the dot path above; prefill
+    takes 64-row dot blocks."""
+    pairs, experts = tokens * 6, 256
+    cases = (("mxfp4", False, mxfp4), ("nvfp4", False, nvfp4), ("mxfp4", True, mxfp4_native),
+             ("nvfp4", True, nvfp4))
+    for fmt, native, expected in cases:
+        assert moe.size_class(pairs, experts, fmt, native) == expected, (fmt, native)
+        config = moe.choose_config(pairs, experts, fmt, native)
+        assert config == moe.DEFAULT_CONFIGS[expected]
+        assert config.path == ("gemv" if expected == "gemv" else expected[:3])
 
 
 @pytest.mark.parametrize(
     "kwargs, match",
-    [(dict(path="mma"), "path"), (dict(block_n=24), "block_n"), (dict(block_k=0), "block_k"),
-     (dict(path="dot", block_m=8), "block_m"), (dict(path="dot", block_m=16, prefetch=True), "prefetch")],
+    [(dict(path="tiles"), "path"), (dict(block_n=24), "block_n"), (dict(block_k=0), "block_k"),
+     (dict(path="dot", block_m=8), "block_m"), (dict(path="dot", block_m=16, prefetch=True), "prefetch"),
+     (dict(path="mma", block_n=32), "block_n"), (dict(path="mma", block_n=64, prefetch=True), "prefetch"),
+     (dict(path="mma", block_n=64, block_k=16), "block_k")],
 )
 def test_tile_config_rejects_bad_values(kwargs, match):
     base = dict(path="gemv", block_m=1, block_n=16, block_k=64)
@@ -235,7 +271,8 @@ def test_tile_config_rejects_bad_values(kwargs, match):
 
 
 def test_word_views(caplog):
-    """The GEMV path's views: word-major activations and int32 weight words from any uint8 view."""
+    """The GEMV and mma paths' views: word-major activations, int32 weight words from any uint8 view,
+    int32 scale words (rows padded to whole words)."""
     a = torch.arange(32.0).reshape(2, 16)
     assert torch.equal(moe.word_major(a)[1, 3], torch.tensor([19.0, 27.0]))  # a[1, 8j + 3]
     strided = torch.randint(0, 256, (2, 3, 21), dtype=torch.uint8)[:, :, 1:17]
@@ -245,3 +282,36 @@ def test_word_views(caplog):
         assert words.dtype == torch.int32 and words.shape == (2, 3, 4) and words.data_ptr() % 16 == 0
         assert torch.equal(words.view(torch.uint8), packed)
     assert "misaligned" in caplog.text
+    scales = torch.randint(0, 256, (2, 3, 5), dtype=torch.uint8)  # rows of 5 bytes: padded to 2 words
+    scale_words = moe._scale_words(scales)
+    assert scale_words.dtype == torch.int32 and scale_words.shape == (2, 3, 2)
+    assert torch.equal(scale_words.view(torch.uint8)[..., :5], scales)
+    assert "padded" in caplog.text
+
+
+@pytest.mark.parametrize("kpack", [1, 2])
+def test_mma_operand_order(kpack):
+    """The host permutation of x is the kernels' reduction order (`_mma_k_position`, here in torch):
+    in each BLOCK_K tile, code 2c + b + 4a of word u of quad lane q goes to 8 * (4u + 2c + b) + 2q + a
+    (KPACK 1) or 16 * (2u + c) + 4q + 2b + a (KPACK 2)."""
+    block_k = 128
+    a = torch.arange(2 * 256.0).reshape(2, 256)
+    got = moe.mma_operand_order(a, block_k, kpack)
+    k = torch.arange(256)
+    t = k % block_k
+    q, u, hi, c, b = t // 32, (t // 8) % 4, (t // 4) % 2, (t // 2) % 2, t % 2
+    if kpack == 1:
+        pos = 8 * (4 * u + 2 * c + b) + 2 * q + hi
+    else:
+        pos = 16 * (2 * u + c) + 4 * q + 2 * b + hi
+    want = torch.empty_like(a)
+    want[:, k - t + pos] = a
+    assert torch.equal(got, want)
+
+
+def test_mma_path_needs_multiples_of_32():
+    w = make_experts("nvfp4", 2, 48, 32, seed=15)
+    ids, weights = make_routing(3, 2, 2, "random", seed=15)
+    x = torch.randn(3, 48)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        moe.fp4_moe_pairs_triton(*_args(x, ids, weights, w, None), config=moe.TileConfig("mma", 8, 16, 64, num_warps=1))

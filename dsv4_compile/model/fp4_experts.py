@@ -68,6 +68,10 @@ def is_fp4(experts: nn.Module) -> bool:
     return isinstance(experts, Fp4Experts) or experts.gate_up_proj.dtype in (torch.int8, torch.uint8)
 
 
+def _get(source: nn.Module | dict, name: str):
+    return source[name] if isinstance(source, dict) else getattr(source, name)
+
+
 class RoutedExperts(nn.Module):
     """The plain-torch routed-experts form for any expert storage:
     forward(x [M, K], topk_ids [M, k], topk_weights [M, k]) -> [M, K].
@@ -82,6 +86,11 @@ class RoutedExperts(nn.Module):
         self.experts = experts
         self.fp4_views = (experts_from_transformers(experts)
                           if is_fp4(experts) and not isinstance(experts, Fp4Experts) else None)
+        source = experts if isinstance(experts, Fp4Experts) else self.fp4_views
+        if source is not None and _get(source, "fmt") == "mxfp4":
+            from dsv4_compile.kernels.fp4_moe import check_mxfp4_scale_range
+
+            check_mxfp4_scale_range(w13_scale=_get(source, "w13_scale"), w2_scale=_get(source, "w2_scale"))
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         experts = self.experts
