@@ -7,7 +7,8 @@ where W13' / W2' are computed only from gathers `packed[ids]` of uint8 [E, rows,
 inputs (plus their scales, and globals for NVFP4) by unpack/decode/scale ops, and
 act = silu(min(gate, L)) * clamp(up, -L, L) (or silu(gate) * up without a limit). The format
 comes from the scale dtype (uint8 ue8m0 -> mxfp4, e4m3 -> nvfp4). Anything else is declined
-and recorded with its reason; bf16 experts (no packed gathers) are left alone.
+and recorded with its reason; bf16 experts (no packed gathers) are left alone. A bmm of batch
+M * k = 1 (one token, top-1 routing) may be inductor's mm form of it on CUDA (fx_match.match_bmm).
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import operator
 
 import torch
 from torch.fx import Graph, Node
+
+from dsv4_compile.passes.fx_match import is_bmm, match_bmm
 
 logger = logging.getLogger("dsv4_compile")
 
@@ -136,11 +139,12 @@ def _match(anchor: Node) -> dict:
     if weighted.target != aten.mul.Tensor:
         raise _Decline("sum input is not a routing-weight product")
     sides = [_strip(a) for a in weighted.args]
-    bmm2 = next((s for s in sides if s.target == aten.bmm.default), None)
+    bmm2 = next((s for s in sides if is_bmm(s)), None)
     routing = next((s for s in sides if s is not bmm2), None)
     if bmm2 is None or routing is None or _val(routing) is None or not _val(routing).is_floating_point():
         raise _Decline("no bmm times routing weights under the sum")
-    w2_side, h_side = bmm2.args
+    bmm2 = match_bmm(bmm2, "the down projection")
+    w2_side, h_side = bmm2.mat1, bmm2.mat2
     act = _strip(h_side)
     if act.target != aten.mul.Tensor:
         raise _Decline("second GEMM input is not a gated activation product")
@@ -149,8 +153,9 @@ def _match(anchor: Node) -> dict:
         raise _Decline("no single gate/up split")
     split = splits[0]
     bmm1 = _strip(split.args[0])
-    if bmm1.target != aten.bmm.default:
+    if not is_bmm(bmm1):
         raise _Decline("gate/up do not come from a bmm")
+    bmm1 = match_bmm(bmm1, "gate/up")
     act_region = _ancestors(act, {split})
     bad = sorted({str(n.target) for n in act_region if n.op == "call_function" and n.target not in _ACT_OPS
                   and n.target is not operator.getitem})
@@ -168,7 +173,7 @@ def _match(anchor: Node) -> dict:
             raise _Decline("swiglu clamp is not gate <= L and |up| <= L")
     else:
         raise _Decline(f"clamps {upper} / {lower} are not a symmetric swiglu limit")
-    w13_side, x_side = bmm1.args
+    w13_side, x_side = bmm1.mat1, bmm1.mat2
     x = x_side
     while x.target in _VIEWS and tuple(_val(x).shape) != (tokens, hidden):
         x = x.args[0]
@@ -206,7 +211,7 @@ def _is_candidate(anchor: Node) -> bool:
     """A sum of (bmm * something): the shape of an MoE combine, worth a line in the report."""
     weighted = _strip(anchor.args[0])
     return weighted.target == aten.mul.Tensor and any(
-        _strip(a).target == aten.bmm.default for a in weighted.args if isinstance(a, Node))
+        is_bmm(_strip(a)) for a in weighted.args if isinstance(a, Node))
 
 
 def apply(graph: Graph, report) -> int:

@@ -1,5 +1,7 @@
-"""Small helpers shared by the hand-written FX matchers of the indexer passes."""
+"""Small helpers shared by the hand-written FX matchers of the dsv4 passes."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import sympy
 import torch
@@ -72,3 +74,63 @@ def call(graph: Graph, target, args: tuple) -> Node:
     with fake_mode:
         node.meta["val"] = target(*vals)
     return node
+
+
+@dataclass(frozen=True)
+class Bmm:
+    """A batched matmul found in the graph: out [N, m, n] = mat1 [N, m, k] @ mat2 [N, k, n].
+    `out` is the aten.bmm node, or the unsqueeze of inductor's batch-1 mm form."""
+
+    out: Node
+    mat1: Node
+    mat2: Node
+
+
+def _batch_squeezed(node) -> Node | None:
+    """x of squeeze(x, 0) (aten.squeeze.dim or .dims) when x is [1, a, b]; else None."""
+    if is_call(node, aten.squeeze.dim):
+        dims = [node.args[1]]
+    elif is_call(node, aten.squeeze.dims):
+        dims = list(node.args[1])
+    else:
+        return None
+    x = node.args[0]
+    x_shape = shape(x)
+    if len(x_shape) != 3 or [d % 3 for d in dims] != [0] or not equal(x_shape[0], 1):
+        return None
+    return x
+
+
+def match_bmm(node, what: str) -> Bmm:
+    """`node` as a batched matmul: an aten.bmm, or the form inductor's joint-graph pattern
+    `bmm_to_mm` makes of a bmm whose batch is statically 1 (on GPUs only),
+        unsqueeze(mm(squeeze(mat1, 0), squeeze(mat2, 0)), 0),
+    given as its unsqueeze or as its mm. Raises Decline naming `what` for anything else.
+    (inductor's pad_mm cannot pad that mm: both patterns run in one pattern pass over the nodes
+    that existed before it, and bmm_to_mm is tried first on each bmm.)"""
+    if is_call(node, aten.bmm.default):
+        return Bmm(node, node.args[0], node.args[1])
+    if is_call(node, aten.unsqueeze.default) and is_call(node.args[0], aten.mm.default):
+        mm, out = node.args[0], node
+    elif is_call(node, aten.mm.default):
+        mm, users = node, list(node.users)
+        require(len(users) == 1 and is_call(users[0], aten.unsqueeze.default),
+                f"{what} are an mm whose result is not unsqueezed, not a batch-1 bmm")
+        out = users[0]
+    else:
+        raise Decline(f"{what} do not come from a bmm")
+    require(out.args[1] in (0, -3), f"{what} are an mm unsqueezed at dim {out.args[1]}, not a batch-1 bmm")
+    mat1, mat2 = (_batch_squeezed(arg) for arg in mm.args)
+    require(mat1 is not None and mat2 is not None,
+            f"{what} are an mm of operands that are not squeeze([1, m, k], 0) and squeeze([1, k, n], 0), "
+            "not a batch-1 bmm")
+    return Bmm(out, mat1, mat2)
+
+
+def is_bmm(node) -> bool:
+    """Whether match_bmm accepts `node`."""
+    try:
+        match_bmm(node, "")
+    except Decline:
+        return False
+    return True

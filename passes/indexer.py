@@ -5,6 +5,7 @@ the math (dsv4_compile.model.hotspots.indexer_topk_full_context):
 
     keys   = k_pages[page_table]                      index -> reshape [B, S, D], S = NP * 64
     logits = q [B,T,H,D] @ keys^T                     bmm over (B or B*T), reshaped [B, T, H, S]
+                                                      (or a batch-1 bmm as inductor's mm form, on GPU)
     scores = sum_h (relu(logits) * c) * weights[..., None]     (c: an optional constant)
     scores = where(slot >= visible[..., None], -inf, scores)   slot = iota(S)
     top    = topk(scores, k, dim=-1).indices
@@ -29,8 +30,8 @@ from torch.fx import Graph, Node
 
 import dsv4_compile.kernels.indexer_topk as kernel
 from dsv4_compile.passes import indexer_sglang
-from dsv4_compile.passes.fx_match import (PASS_THROUGH, RESHAPES, Decline, call, equal, is_call, require, shape,
-                                          strip, topk_dim_largest, val)
+from dsv4_compile.passes.fx_match import (PASS_THROUGH, RESHAPES, Decline, call, equal, is_call, match_bmm, require,
+                                          shape, strip, topk_dim_largest, val)
 
 logger = logging.getLogger("dsv4_compile")
 
@@ -149,12 +150,11 @@ class _Match:
         require(inner > 0, "a non-positive scale inside relu")
         self.scale = scale * inner
         require(is_call(logits, *RESHAPES), "logits are not a reshaped bmm")
-        self.bmm = logits.args[0]
-        require(is_call(self.bmm, aten.bmm.default), "logits do not come from a bmm")
+        self.bmm = match_bmm(logits.args[0], "logits")
         self.logits_shape = shape(logits)
 
     def _match_keys(self):
-        node = self.bmm.args[1]
+        node = self.bmm.mat2
         last_two = shape(node)[-2:]
         while is_call(node, *PASS_THROUGH):
             require(tuple(shape(node)[-2:]) == tuple(last_two),
@@ -178,7 +178,7 @@ class _Match:
         self.flat_shape = shape(flat)  # [B, S, D]
 
     def _match_query(self):
-        node = self.bmm.args[0]
+        node = self.bmm.mat1
         while is_call(node, *PASS_THROUGH) and len(shape(node)) != 4:
             node = node.args[0]
         query_shape = shape(node)
@@ -205,7 +205,7 @@ class _Match:
         require(all(equal(x, y) for x, y in ((lb, batch), (lt, tokens), (lh, heads),
                                                (ls, slots))),
                  "logits are not [B, T, H, S]")
-        require(equal(shape(self.bmm.args[0])[-1], dim), "bmm does not contract the head dim")
+        require(equal(shape(self.bmm.mat1)[-1], dim), "bmm does not contract the head dim")
         require(tuple(shape(self.weights)) == (batch, tokens, heads), "weights are not [B, T, H]")
         require(tuple(shape(self.visible)) == (batch, tokens), "visible is not [B, T]")
         require(1 <= self.k <= kernel.MAX_TOPK, f"topk {self.k} > {kernel.MAX_TOPK}"

@@ -7,6 +7,7 @@ length; W = 64 * (D + 4) bytes per page: 64 x D fp8 values, then 64 f32 scales):
     keys   = view_dtype(pages[..., :64*D], fp8) -> bf16 -> reshape [T, S, D]   S = NP * 64
     kscale = view_dtype(pages[..., 64*D:], f32) -> reshape [T, S]
     logits = bmm(keys, q[T, 1, H, D][:, 0] -> bf16 -> permute [T, D, H])     [T, S, H]
+             (at T = 1 on GPU, inductor's mm form of the bmm: see fx_match.match_bmm)
     scores = sum_h(relu(logits) * weights[T, H][:, None]) * kscale          (then slots
              s >= lens masked with 0 or -inf; optional)
     raw    = topk(where(s >= lens, -inf, scores), K, dim=1).indices
@@ -31,6 +32,7 @@ from dsv4_compile.passes.fx_match import (
     call,
     equal,
     is_call,
+    match_bmm,
     require,
     shape,
     strip,
@@ -159,8 +161,7 @@ class SglangMatch:
         act = prod.args[1] if weight_side[0] is prod.args[0] else prod.args[0]
         require(is_call(act, aten.relu.default),
                 f"activation {getattr(act, 'target', act)} is not relu")
-        self.bmm = act.args[0]
-        require(is_call(self.bmm, aten.bmm.default), "logits do not come from a bmm")
+        self.bmm = match_bmm(act.args[0], "logits")
 
     # -- the top-k transform: identity rows for lens <= K, then logical -> physical ---------
     def _match_tail(self):
@@ -238,7 +239,7 @@ class SglangMatch:
 
     # -- the keys: fp8 values and f32 scales of the same gathered pages ---------------------
     def _match_keys(self):
-        keys, q_t = self.bmm.args
+        keys, q_t = self.bmm.mat1, self.bmm.mat2
         values, self.value_dtype = _page_bytes(keys, (torch.float8_e4m3fn,), "keys")
         scales, _ = _page_bytes(self.kscale, (torch.float32,), "key scales")
         pages, v_start, v_end = _slice(values)
@@ -279,7 +280,7 @@ class SglangMatch:
                                              (shape(self.page_table)[0], rows))),
                 "query, weights, lens and page table disagree on the rows")
         require(equal(shape(self.weights)[1], heads), "weights are not [T, H]")
-        require(all(equal(a, b) for a, b in zip(shape(self.bmm), (rows, self.slots, heads))),
+        require(all(equal(a, b) for a, b in zip(shape(self.bmm.out), (rows, self.slots, heads))),
                 "logits are not [T, S, H]")
         require(not isinstance(heads, torch.SymInt) and kernel.MIN_HEADS <= heads <= kernel.MAX_HEADS,
                 f"heads {heads} not in [{kernel.MIN_HEADS}, {kernel.MAX_HEADS}]")

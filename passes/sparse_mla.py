@@ -25,6 +25,8 @@ On CUDA, inductor's pad_mm may have padded either bmm (chosen by benchmark, per 
 of a verify step, W + T - 1 rows, is off the bf16 alignment of 8): its operands are then
 constant_pad_nd(x, zeros at the end of dims) and its output is sliced back. The match looks
 through that padding: zero rows of the contracted dim add nothing, and the slices drop the rest.
+At B*T = 1 on CUDA, inductor's bmm_to_mm has made each bmm an mm of the squeezed operands; that
+form is read as the bmm it came from (fx_match.match_bmm).
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ from torch._inductor import inductor_prims
 from torch.fx import Graph, Node
 
 import dsv4_compile.kernels.sparse_mla  # noqa: F401  (registers torch.ops.dsv4.sparse_mla)
+from dsv4_compile.passes.fx_match import Decline, is_bmm, match_bmm
 
 logger = logging.getLogger("dsv4_compile")
 
@@ -54,7 +57,7 @@ _LAST = (-1, 3)
 _PREPARE_SOFTMAX_ONLINE = inductor_prims.prepare_softmax_online
 
 
-class _Decline(Exception):
+class _Decline(Decline):
     """The site is not the attention form; the message is the reason recorded in the report."""
 
 
@@ -103,9 +106,13 @@ def _unpadded(node):
     return node
 
 
-def _bmm_operands(bmm: Node) -> tuple:
-    """(mat1, mat2) of a bmm with any pad_mm padding removed."""
-    return _unpadded(bmm.args[0]), _unpadded(bmm.args[1])
+def _bmm_operands(bmm: Node, what: str = "the product") -> tuple:
+    """(mat1, mat2) of a bmm with any pad_mm padding removed, or of inductor's batch-1 mm form of a
+    bmm (given as its mm or its unsqueeze); Decline naming `what` for anything else."""
+    if bmm.target == aten.bmm.default:
+        return _unpadded(bmm.args[0]), _unpadded(bmm.args[1])
+    product = match_bmm(bmm, what)
+    return product.mat1, product.mat2
 
 
 def _is_unpad_slice(node: Node) -> bool:
@@ -367,9 +374,9 @@ def _match(pv: Node) -> _Match:
     if not isinstance(scale, (int, float)):
         raise _Decline("the softmax scale is not a constant")
     qk = _unpadded_bmm(_strip(scores))
-    if not isinstance(qk, Node) or qk.target != aten.bmm.default:
+    if not isinstance(qk, Node):
         raise _Decline("the logits are not a q.k product")
-    q_side, k_side = _bmm_operands(qk)
+    q_side, k_side = _bmm_operands(qk, "the logits")
     q = _layout_source_of_shape(q_side, (batch, tokens, heads, dim))
     k_side = _strip(k_side)
     if isinstance(k_side, Node) and k_side.target == aten.index_put.default:
@@ -404,7 +411,7 @@ def _output_node(pv: Node, shape: tuple, lse_l: Node | None) -> Node:
     """The first node after the PV bmm (through layout ops, and pad_mm's slices when its operands
     are padded) holding out [B,T,H,D]."""
     node = pv
-    padded = _bmm_operands(pv) != tuple(pv.args[:2])
+    padded = pv.target == aten.bmm.default and _bmm_operands(pv) != tuple(pv.args[:2])
     while _shape(node) != shape:
         users = list(node.users)
         if len(users) != 1 or not (users[0].target in _LAYOUT or (padded and _is_unpad_slice(users[0]))):
@@ -474,12 +481,13 @@ def _rewrite(graph: Graph, m: _Match) -> None:
 
 
 def _candidates(graph: Graph) -> list[Node]:
-    """bmm nodes whose left side is an exp-based probability tensor: attention PV products."""
+    """bmm nodes (or inductor's batch-1 mm form of one, as its mm) whose left side is an exp-based
+    probability tensor: attention PV products."""
     out = []
     for node in graph.nodes:
-        if node.target != aten.bmm.default:
+        if node.target != aten.bmm.default and not (node.target == aten.mm.default and is_bmm(node)):
             continue
-        p = _strip(_unpadded(node.args[0]))
+        p = _strip(_bmm_operands(node)[0])
         if isinstance(p, Node) and p.target == aten.slice.Tensor:
             p = _strip(p.args[0])
         if isinstance(p, Node) and (p.target == aten.exp.default
@@ -496,7 +504,7 @@ def apply(graph: Graph, report) -> int:
     for pv in _candidates(graph):
         try:
             match = _match(pv)
-        except _Decline as why:
+        except Decline as why:
             report.record(PASS_NAME, pv, False, str(why))
             logger.debug("sparse_mla: declined %s: %s", pv.name, why)
             continue

@@ -3,6 +3,8 @@ import types
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.fx_passes import joint_graph
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from dsv4_compile import fp4
 from dsv4_compile.passes.report import PassReport
@@ -89,6 +91,34 @@ def compile_with_probe(fn, pass_module: types.ModuleType, **kwargs):
     compiled = torch.compile(fn, backend="inductor", fullgraph=True,
                              options={"post_grad_custom_post_pass": probe}, **kwargs)
     return compiled, report, probe
+
+
+class BmmToMmOnCpu:
+    """inductor's joint-graph pattern bmm_to_mm (a bmm whose batch is statically 1 becomes
+    unsqueeze(mm(squeeze(a, 0), squeeze(b, 0)), 0)), which torch applies to GPU tensors only, made
+    to apply to CPU tensors too by patching the device check it calls; `rewrites` counts the bmms
+    it rewrote (those whose batch sizes are statically 1, what it checks after the device)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.rewrites = 0
+        monkeypatch.setattr(joint_graph, "check_device", self._same_device)
+
+    def _same_device(self, a: torch.Tensor, b: torch.Tensor, device: str = "cuda") -> bool:
+        self.rewrites += statically_known_true(a.shape[0] == 1) and statically_known_true(b.shape[0] == 1)
+        return a.device.type == b.device.type
+
+
+class TargetsBefore(CustomGraphPass):
+    """A post-grad pre-pass that records the call targets of the graph the dsv4 passes receive."""
+
+    def __init__(self) -> None:
+        self.targets: list = []
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        self.targets += [n.target for n in graph.nodes if n.op == "call_function"]
+
+    def uuid(self) -> bytes:
+        return b"TargetsBefore"
 
 
 class StepCounter:

@@ -5,7 +5,7 @@ import torch
 
 import dsv4_compile
 from dsv4_compile.model.fp4_experts import quantize_experts_
-from helpers import StepRecorder, compile_model, make_prompts
+from helpers import BmmToMmOnCpu, StepRecorder, compile_model, make_prompts
 
 LENGTHS = (37, 22, 9)
 NEW_TOKENS = 8
@@ -86,3 +86,23 @@ def test_every_site_matches_in_a_bf16_decode_graph():
     engine.generate([[3, 1, 4, 1, 5]], 2)
     for name, sites in EXPECTED_SITES.items():
         assert engine.report.count(name, "T=1") == sites, (name, engine.report.format())
+
+
+def test_batch_one_decode_matches_when_inductor_makes_bmms_mm(model, monkeypatch):
+    """At B = 1, T = 1 on CUDA inductor turns the indexer's and the attention's batch-1 bmms into
+    unsqueeze(mm(squeeze, squeeze), 0) (bmm_to_mm); forced here on CPU, every site still matches."""
+    bmm_to_mm = BmmToMmOnCpu(monkeypatch)
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(force_disable_caches=True):
+        engine = dsv4_compile.optimize(model, max_batch=1, max_context=256, verify_tokens=3)
+        prompts = make_prompts((13,), model.config.vocab_size, seed=4)
+        recorder = StepRecorder(engine.compiled_step)
+        engine.compiled_step = recorder
+        engine.generate(prompts, 3)
+    assert bmm_to_mm.rewrites >= CSA_LAYERS + 2 * LAYERS
+    assert recorder.calls and all(ids.shape == (1, 1) for ids, *_ in recorder.calls)
+    for name, sites in EXPECTED_SITES.items():
+        assert engine.report.count(name, "T=1") == sites, (name, engine.report.format())
+    eager = dsv4_compile.optimize(model, max_batch=1, max_context=256, verify_tokens=3, compile=False)
+    eager.generate(prompts, 1)
+    _assert_steps_match(recorder, eager.module)

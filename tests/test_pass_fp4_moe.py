@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from dsv4_compile import fp4
 from dsv4_compile.model.hotspots import moe_experts_fp4, moe_experts_gathered
 from dsv4_compile.passes import fp4_moe as fp4_pass
-from helpers import compile_with_probe
+from helpers import BmmToMmOnCpu, compile_with_probe
 
 EXPERTS, HIDDEN, INTER, TOP_K = 4, 64, 32, 2
 
@@ -68,6 +68,24 @@ def test_rewrites_and_matches_eager(fmt, batch, tokens, limit, dtype):
     assert torch.ops.aten.bmm.default not in hook.targets  # the dense expert GEMVs are gone
     scale = want.float().abs().max()
     assert (got.float() - want.float()).abs().max() <= TOL[dtype] * scale
+
+
+def test_top1_token_bmms_made_mm_by_inductor_are_rewritten(monkeypatch):
+    """One token routed to one expert: both expert GEMMs have batch M * k = 1, which inductor turns
+    into unsqueeze(mm(squeeze, squeeze), 0) on CUDA."""
+    weights_args = experts("mxfp4")
+    gen = torch.Generator().manual_seed(8)
+    ids = torch.randint(0, EXPERTS, (1, 1), generator=gen, dtype=torch.int32)
+    weights = torch.rand(1, 1, generator=gen) + 0.1
+    x = torch.randn(1, 1, HIDDEN, generator=gen)
+    bmm_to_mm = BmmToMmOnCpu(monkeypatch)
+    compiled, hook, report = compile_with_pass(moe_step)
+    got = compiled(x, ids, weights, *weights_args, None)
+    want = moe_step(x, ids, weights, *weights_args, None)
+    assert bmm_to_mm.rewrites == 2
+    assert hook.rewrites == 1 and report.count(fp4_pass.PASS_NAME) == 1
+    assert torch.ops.aten.mm.default not in hook.targets
+    assert (got - want).abs().max() <= TOL[torch.float32] * want.abs().max()
 
 
 def test_bf16_experts_not_rewritten():

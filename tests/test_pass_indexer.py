@@ -6,7 +6,7 @@ import torch.nn.functional as F
 import dsv4_compile.kernels.indexer_topk  # noqa: F401  (registers the op)
 from dsv4_compile.model.hotspots import indexer_topk_full_context
 from dsv4_compile.passes import indexer
-from helpers import compile_with_probe
+from helpers import BmmToMmOnCpu, TargetsBefore, compile_with_probe
 
 SCALE = 128 ** -0.5
 
@@ -112,3 +112,52 @@ def test_topk_above_2048_declined_with_reason():
     compiled(*args)
     (record,) = report.records
     assert not record.matched and record.reason == "topk 4096 > 2048"
+
+
+def test_batch_one_bmm_made_mm_by_inductor_is_rewritten(monkeypatch):
+    """On CUDA inductor turns the B=1 logits bmm into unsqueeze(mm(squeeze(q), squeeze(keys)), 0)."""
+    bmm_to_mm = BmmToMmOnCpu(monkeypatch)
+    before = TargetsBefore()
+    compiled, report, hook = compile_with_pass(model_step)
+    with torch._inductor.config.patch(post_grad_custom_pre_pass=before):
+        for seed in range(2):
+            args = make_inputs(1, 1, torch.bfloat16, seed)
+            same_selection(compiled(*args), model_step(*args))
+    assert bmm_to_mm.rewrites == 1
+    assert torch.ops.aten.mm.default in before.targets and torch.ops.aten.bmm.default not in before.targets
+    assert report.count(indexer.PASS_NAME) == 1
+    assert torch.ops.dsv4.indexer_topk.default in hook.targets
+    assert torch.ops.aten.mm.default not in hook.targets
+
+
+def _mm_variant(squeeze_dim, unsqueeze_dim):
+    """The B=1, T=1 logits as an mm that is not a batch-1 bmm's: q [1, 1, H, D] is squeezed at
+    `squeeze_dim` of [H, 1, D] (1: a head-major view, not the batch), or the product is
+    unsqueezed at `unsqueeze_dim`."""
+    def step(q, weights, k_pages, page_table, positions, topk=16):
+        visible = (positions + 1) // 4
+        _, _, heads, head_dim = q.shape
+        keys = k_pages[page_table.long()].reshape(1, -1, head_dim)
+        query = q.reshape(heads, 1, head_dim) if squeeze_dim == 1 else q.reshape(1, heads, head_dim)
+        logits = torch.mm(query.squeeze(squeeze_dim), keys.transpose(1, 2).squeeze(0))
+        logits = logits.unsqueeze(unsqueeze_dim).reshape(1, 1, heads, -1)
+        scores = (torch.relu(logits) * SCALE * weights.unsqueeze(-1)).sum(dim=2)
+        slots = torch.arange(scores.shape[-1], device=scores.device)
+        scores = scores.masked_fill(slots.view(1, 1, -1) >= visible.unsqueeze(-1), float("-inf"))
+        top = scores.topk(topk, dim=-1).indices
+        return torch.where(top >= visible.unsqueeze(-1), -1, top).to(torch.int32)
+    return step
+
+
+@pytest.mark.parametrize("squeeze_dim, unsqueeze_dim, reason", [
+    (1, 0, "logits are an mm of operands that are not squeeze([1, m, k], 0)"),
+    (0, 1, "logits are an mm unsqueezed at dim 1"),
+])
+def test_mm_that_is_not_a_batch_one_bmm_declined(squeeze_dim, unsqueeze_dim, reason):
+    fn = _mm_variant(squeeze_dim, unsqueeze_dim)
+    compiled, report, hook = compile_with_pass(fn)
+    args = make_inputs(1, 1, torch.float32, 6)
+    assert torch.equal(compiled(*args), fn(*args))
+    assert torch.ops.dsv4.indexer_topk.default not in hook.targets
+    (record,) = report.records
+    assert not record.matched and reason in record.reason, record.reason

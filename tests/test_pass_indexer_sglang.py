@@ -18,7 +18,7 @@ from dsv4_compile.passes.manager import PassConfig
 from dsv4_compile.passes.report import PassReport
 
 pytest.importorskip("sglang", reason="needs the sglang package (tests/requirements: sglang==0.5.23 --no-deps)")
-from helpers import compile_with_probe  # noqa: E402
+from helpers import BmmToMmOnCpu, TargetsBefore, compile_with_probe  # noqa: E402
 from sglang_source import sglang_indexer_functions  # noqa: E402
 
 pytestmark = [pytest.mark.sglang, pytest.mark.usefixtures("fresh_compile")]
@@ -118,6 +118,26 @@ def test_sglang_form_rewritten_and_matches_sglang(sgl, requests, draft, scorer):
     assert torch.ops.dsv4.indexer_topk_physical.default in hook.targets
     assert torch.ops.aten.topk.default not in hook.targets
     assert torch.ops.aten.bmm.default not in hook.targets
+
+
+def test_one_row_bmm_made_mm_by_inductor_is_rewritten(sgl, monkeypatch):
+    """A decode of one request: on CUDA inductor turns the T=1 logits bmm into
+    unsqueeze(mm(squeeze(keys), squeeze(q^T)), 0)."""
+    topk = 32
+    fn = lambda *a: sglang_step(sgl, *a, topk)  # noqa: E731
+    bmm_to_mm = BmmToMmOnCpu(monkeypatch)
+    before = TargetsBefore()
+    compiled, report, hook = compile_with_pass(fn)
+    q, cache, weights, lens, page_table = sglang_inputs(2, 1, seed=4)
+    args = (q[1:], cache, weights[1:], lens[1:], page_table[1:])  # row 1 sees 2 pages: more than topk
+    with torch._inductor.config.patch(post_grad_custom_pre_pass=before):
+        got = compiled(*args)
+    assert_same_selection(got, fn(*args), *args)
+    assert bmm_to_mm.rewrites == 1
+    assert torch.ops.aten.mm.default in before.targets and torch.ops.aten.bmm.default not in before.targets
+    assert report.count(indexer.PASS_NAME) == 1
+    assert torch.ops.dsv4.indexer_topk_physical.default in hook.targets
+    assert torch.ops.aten.mm.default not in hook.targets
 
 
 def test_sglang_form_under_dsv4_backend_fuses_translation(sgl):

@@ -19,6 +19,7 @@ from dsv4_compile.model.hotspots import gather_rows, sparse_attention_with_sink
 from dsv4_compile.passes import sparse_mla as sparse_mla_pass
 from dsv4_compile.passes.manager import PassConfig
 from dsv4_compile.passes.report import PassReport
+from helpers import BmmToMmOnCpu, TargetsBefore
 
 PASS = "dsv4_compile.passes.sparse_mla"
 TOL = {torch.bfloat16: dict(atol=3e-2, rtol=3e-2), torch.float32: dict(atol=1e-4, rtol=1e-4)}
@@ -159,6 +160,43 @@ def test_bmms_padded_by_inductor_are_rewritten(layer, tokens):
     assert report.count("sparse_mla") == 1
     assert "dsv4.sparse_mla" in code and "bmm" not in code
     torch.testing.assert_close(out, fn(*args), **TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("layer", ["window", "csa", "hca"])
+def test_batch_one_bmms_made_mm_by_inductor_are_rewritten(layer, monkeypatch):
+    # At B*T = 1 on CUDA inductor turns both attention bmms into unsqueeze(mm(squeeze, squeeze), 0).
+    args = tuple(a[:1] if isinstance(a, torch.Tensor) and a.dim() >= 3 else a for a in model_inputs(layer, 1))
+    fn = window_attention if layer == "window" else two_pool_attention
+    bmm_to_mm = BmmToMmOnCpu(monkeypatch)
+    before = TargetsBefore()
+    with torch._inductor.config.patch(post_grad_custom_pre_pass=before):
+        out, code, report = compile_with_pass(fn, *args)
+    assert bmm_to_mm.rewrites == 2
+    assert before.targets.count(torch.ops.aten.mm.default) == 2 and torch.ops.aten.bmm.default not in before.targets
+    assert report.count("sparse_mla") == 1
+    assert "dsv4.sparse_mla" in code and "mm(" not in code
+    torch.testing.assert_close(out, fn(*args), **TOL[torch.bfloat16])
+
+
+def qk_as_mm_over_heads(q, kv, idx, sink):
+    """B = T = 1 attention whose q.k is an mm unsqueezed at the head dim, not a batch-1 bmm."""
+    rows = gather_rows(kv, idx)
+    logits = torch.mm(q[0, 0], rows[0, 0].t()).unsqueeze(1).view(1, 1, q.shape[2], -1) * 0.125
+    logits = logits.masked_fill(~(idx >= 0).unsqueeze(2), float("-inf"))
+    sinks = sink.view(1, 1, -1, 1).expand(*logits.shape[:3], 1).to(logits.dtype)
+    probs = torch.softmax(torch.cat([logits, sinks], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs.to(kv.dtype), rows)
+
+
+def test_qk_mm_that_is_not_a_batch_one_bmm_stays(monkeypatch):
+    BmmToMmOnCpu(monkeypatch)  # the PV product is a batch-1 bmm made mm: a candidate
+    q, kv, idx, sink = model_inputs("window", 1, dtype=torch.float32)
+    args = (q[:1], kv, idx[:1], sink)
+    out, code, report = compile_with_pass(qk_as_mm_over_heads, *args)
+    assert report.count("sparse_mla") == 0 and "dsv4.sparse_mla" not in code
+    (record,) = [r for r in report.records if r.pass_name == "sparse_mla"]
+    assert "the logits are an mm unsqueezed at dim 1" in record.reason, record.reason
+    torch.testing.assert_close(out, qk_as_mm_over_heads(*args), **TOL[torch.float32])
 
 
 def padded_with_ones(q, kv, idx, sink):
