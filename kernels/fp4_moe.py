@@ -17,9 +17,9 @@ Launch (capture-safe: static shapes, no host syncs):
 Steps 2 and 3 have three kernel pairs behind one launcher: a GEMV path (`_gate_up_gemv_kernel`,
 `_down_gemv_kernel`; no tl.dot) for a few pairs per expert on average (decode),
 an mma path (`_gate_up_mma_kernel`, `_down_mma_kernel`: tl.dot with the weight rows as its M
-side, for blocks of a few pairs; MXFP4 decode and verify) and the dot path below (NVFP4 verify,
-prefill); `choose_config` picks by average pairs per expert and format, `TileConfig` overrides it
-(tests, bench --sweep).
+side, for blocks of a few pairs; decode and verify) and the dot path below (prefill, and MXFP4
+on GPUs with FP4 tensor cores); `choose_config` picks by average pairs per expert and format,
+`TileConfig` overrides it (tests, bench --sweep).
 
 On the dot path weights are dequantised to the dot dtype (bf16 for bf16 x on GPU, f32 for f32 x
 and under the interpreter) before tl.dot; on sm_100+ MXFP4 uses tl.dot_scaled on the packed codes
@@ -840,11 +840,12 @@ class TileConfig:
 # 512 reduction columns per step): M=64 (2 pairs per expert) 1.23 ms with 16-column 1-warp
 # programs vs 1.30 with 32-column 2-warp ones, 1.80 with 64-column 4-warp ones, 2.19 GEMV and 2.54
 # dot; M=256 (verify, 6 per expert) 1.92 ms with the 2-warp tile vs 2.06 16-row 1-warp, 3.29 dot
-# and 6.75 GEMV. NVFP4 gained nothing from the mma tiles of the first sweep (its e4m3 scales cost
-# more to apply; M=64: 2.99 mma vs 2.36 two-row GEMV, M=256: 3.13 vs 3.16 dot), so it keeps GEMV up
-# to GEMV_MAX_ROWS and the dot path above. Beyond 16 pairs per expert (prefill) both take 64-row
-# dot blocks. Where FP4 tensor cores exist (sm_100+) MXFP4 keeps the dot path, which uses
-# tl.dot_scaled there. Prefetching (see the GEMV path comment) changed the one-row GEMV by -5% to
+# and 6.75 GEMV. NVFP4 takes the 1-warp tile at any of these sizes (its e4m3 scales make the
+# 2-warp tile slower: M=64 1.91 ms 1-warp vs 2.74 2-warp and 2.49 GEMV; M=256 2.73 vs 3.98 and
+# 3.11 dot). At 1 pair per expert GEMV stays (M=8 MXFP4: 0.370 vs 0.378 ms 1-warp mma). Beyond 16
+# pairs per expert (prefill) both formats take 64-row dot blocks. Where FP4 tensor cores exist
+# (sm_100+) MXFP4 keeps GEMV up to GEMV_MAX_ROWS and the dot path above, which uses tl.dot_scaled
+# there. Prefetching (see the GEMV path comment) changed the one-row GEMV by -5% to
 # +1%: that loop is bound by its instructions per weight byte, not by load latency. The mma path's
 # exactness range is in the MMA path comment (ue8m0 scales up to 2**65; the model's experts are
 # checked once, see check_mxfp4_scale_range).
@@ -866,9 +867,11 @@ def size_class(pairs: int, experts: int, fmt: str, native_fp4: bool = False) -> 
     average = max(1, -(-pairs // experts))
     if average >= DENSE_MIN_ROWS:
         return "dot64"
-    if fmt == "mxfp4" and not native_fp4 and average > 1:
-        return "mma1w" if average <= MMA_1W_MAX_ROWS else "mma2w"
-    return "gemv" if average <= GEMV_MAX_ROWS else "dot16"
+    if fmt == "mxfp4" and native_fp4:
+        return "gemv" if average <= GEMV_MAX_ROWS else "dot16"
+    if average == 1:
+        return "gemv"
+    return "mma2w" if fmt == "mxfp4" and average > MMA_1W_MAX_ROWS else "mma1w"
 
 
 def choose_config(pairs: int, experts: int, fmt: str, native_fp4: bool = False) -> TileConfig:

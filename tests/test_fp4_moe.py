@@ -237,16 +237,16 @@ def test_all_tokens_on_one_expert(config):
 @pytest.mark.parametrize(
     "tokens, mxfp4, nvfp4, mxfp4_native",
     [(1, "gemv", "gemv", "gemv"), (8, "gemv", "gemv", "gemv"), (42, "gemv", "gemv", "gemv"),
-     (43, "mma1w", "gemv", "gemv"), (64, "mma1w", "gemv", "gemv"), (85, "mma1w", "gemv", "gemv"),
-     (86, "mma1w", "dot16", "dot16"), (170, "mma1w", "dot16", "dot16"), (171, "mma2w", "dot16", "dot16"),
-     (256, "mma2w", "dot16", "dot16"), (682, "mma2w", "dot16", "dot16"), (683, "dot64", "dot64", "dot64"),
+     (43, "mma1w", "mma1w", "gemv"), (64, "mma1w", "mma1w", "gemv"), (85, "mma1w", "mma1w", "gemv"),
+     (86, "mma1w", "mma1w", "dot16"), (170, "mma1w", "mma1w", "dot16"), (171, "mma2w", "mma1w", "dot16"),
+     (256, "mma2w", "mma1w", "dot16"), (682, "mma2w", "mma1w", "dot16"), (683, "dot64", "dot64", "dot64"),
      (4096, "dot64", "dot64", "dot64")],
 )
 def test_size_class_rule(tokens, mxfp4, nvfp4, mxfp4_native):
-    """V4-Flash (E=256, k=6): one pair per expert takes one-row GEMV blocks; MXFP4 decode (M=64)
-    and verify (M=256) take the mma path (1 warp up to 4 pairs per expert, then 2) unless the GPU
-    has FP4 tensor cores; NVFP4 keeps GEMV up to 2 pairs per expert and the dot path above; prefill
-    takes 64-row dot blocks."""
+    """V4-Flash (E=256, k=6): one pair per expert takes one-row GEMV blocks; decode (M=64) and
+    verify (M=256) take the mma path (MXFP4: 1 warp up to 4 pairs per expert, then 2; NVFP4: 1
+    warp), except MXFP4 on GPUs with FP4 tensor cores (GEMV up to 2 pairs, then tl.dot_scaled);
+    prefill takes 64-row dot blocks. NVFP4 never uses tl.dot_scaled, so `native` leaves it alone."""
     pairs, experts = tokens * 6, 256
     cases = (("mxfp4", False, mxfp4), ("nvfp4", False, nvfp4), ("mxfp4", True, mxfp4_native),
              ("nvfp4", True, nvfp4))
