@@ -15,7 +15,8 @@ REL_TOL = 1e-4
 
 LAYERS = 4
 CSA_LAYERS = 2
-EXPECTED_SITES = {"indexer": CSA_LAYERS, "sparse_mla": LAYERS, "fp4_moe": LAYERS}
+# hc_sinkhorn: attn_hc and ffn_hc of every layer (the HC head has no Sinkhorn).
+EXPECTED_SITES = {"indexer": CSA_LAYERS, "sparse_mla": LAYERS, "fp4_moe": LAYERS, "hc_sinkhorn": 2 * LAYERS}
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,8 @@ def test_unmatched_site_warns_and_strict_raises_also_after_a_cache_hit(model, tm
     engine = dsv4_compile.optimize(model, max_batch=1, max_context=16384)
     with caplog.at_level(logging.WARNING, logger="dsv4_compile"):
         engine.generate([[1, 2, 3]], 2)
-    assert engine.expected_sites() == [("sparse_mla", 0), ("sparse_mla", 1), ("indexer", 1)]
+    assert engine.expected_sites() == [("sparse_mla", 0), ("hc_sinkhorn", 0), ("sparse_mla", 1), ("indexer", 1),
+                                       ("hc_sinkhorn", 1)]
     status = {(r.pass_name, r.layer): r for r in engine.site_status()}
     assert status["sparse_mla", 0].matched and status["sparse_mla", 1].matched
     assert not status["indexer", 1].matched and "topk 4096 > 2048" in status["indexer", 1].reason
