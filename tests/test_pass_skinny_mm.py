@@ -9,12 +9,7 @@ from helpers import compile_with_probe
 aten = torch.ops.aten
 
 
-@pytest.fixture(autouse=True)
-def fresh_inductor_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    torch._dynamo.reset()
-    with torch._inductor.config.patch(force_disable_caches=True):
-        yield
+pytestmark = pytest.mark.usefixtures("fresh_inductor_cache")
 
 
 def hc_mixes(streams, fn):
@@ -36,8 +31,9 @@ def _inputs(tokens, hidden, columns, seed, dtype=torch.float32):
 
 
 def _assert_close_f32(got, want, a, b):
-    """f32 with a different summation order: within 1e-5 of sum_k |a_k b_k| per output (the bound
-    on the rounding of any order of a K-term f32 sum is ~K * 2**-24 of it; K <= 4096 here)."""
+    """f32 with a different summation order: within 1e-5 of sum_k |a_k b_k| per output. Any order's
+    rounding error is at most ~K * 2**-24 of that sum in the worst case (2.4e-4 at K = 4096) and
+    grows like sqrt(K) * 2**-24 (~4e-6) for random signs; 1e-5 is that typical size with margin."""
     bound = (a.abs() @ b.abs().t()) * 1e-5
     assert ((got - want).abs() <= bound + 1e-30).all()
 
@@ -59,7 +55,7 @@ def test_hc_projection_rewritten_and_matches(tokens, columns):
     [((8, 4096), (24, 4096), torch.bfloat16, None),  # not f32: not a candidate
      ((8, 4096), (64, 4096), torch.float32, None),  # 64 columns: not a candidate
      ((8, 1024), (24, 1024), torch.float32, None),  # reduction < 64 x 24: not a candidate
-     ((1024, 4096), (24, 4096), torch.float32, "1024 rows > 512")],
+     ((128, 4096), (24, 4096), torch.float32, "128 rows > 64")],
 )
 def test_other_products_left_alone(shape_a, shape_w, dtype, reason):
     compiled, report, probe = compile_with_probe(linear, skinny_mm)
@@ -71,7 +67,9 @@ def test_other_products_left_alone(shape_a, shape_w, dtype, reason):
     assert report.count(skinny_mm.PASS_NAME) == 0
     assert aten.mm.default in probe.targets
     declines = [r.reason for r in report.records if not r.matched]
-    assert declines == ([] if reason is None else [declines[0]]) and (reason is None or reason in declines[0])
+    assert len(declines) == (reason is not None), declines
+    if reason is not None:
+        assert reason in declines[0]
 
 
 def test_symbolic_rows_declined():
