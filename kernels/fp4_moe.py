@@ -28,6 +28,7 @@ instead.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 
 import torch
@@ -553,11 +554,16 @@ def mma_operand_order(a: torch.Tensor, block_k: int, kpack: int) -> torch.Tensor
     return tiles.permute(order).reshape(rows, cols)
 
 
+@functools.lru_cache(maxsize=None)
+def _warn_padded_scales(row_bytes: int) -> None:
+    logger.warning("fp4_moe: scale rows of %d bytes are padded to whole words on every call (mma path)",
+                   row_bytes)
+
+
 def _scale_words(scale: torch.Tensor) -> torch.Tensor:
     """uint8 scales [E, R, C] -> int32 words [E, R, cdiv(C, 4)] (rows padded to whole words)."""
     if scale.shape[-1] % 4:
-        logger.warning("fp4_moe: scale rows of %d bytes are padded to whole words on every call (mma path)",
-                       scale.shape[-1])
+        _warn_padded_scales(scale.shape[-1])
         scale = torch.nn.functional.pad(scale, (0, -scale.shape[-1] % 4))
     return _as_words(scale)
 
@@ -861,22 +867,24 @@ DEFAULT_CONFIGS = {
 }
 
 
-def size_class(pairs: int, experts: int, fmt: str, native_fp4: bool = False) -> str:
+def size_class(pairs: int, experts: int, fmt: str, native_fp4: bool = False, mma_fits: bool = True) -> str:
     """The DEFAULT_CONFIGS key for M*k = `pairs` (token, choice) pairs over `experts` experts in
-    format `fmt`; `native_fp4`: the GPU has FP4 tensor cores (see native_fp4_dot)."""
+    format `fmt`; `native_fp4`: the GPU has FP4 tensor cores (see native_fp4_dot); `mma_fits`: K
+    and I are multiples of 32, which the mma path needs (NVFP4 allows multiples of 16)."""
     average = max(1, -(-pairs // experts))
     if average >= DENSE_MIN_ROWS:
         return "dot64"
-    if fmt == "mxfp4" and native_fp4:
+    if (fmt == "mxfp4" and native_fp4) or not mma_fits:
         return "gemv" if average <= GEMV_MAX_ROWS else "dot16"
     if average == 1:
         return "gemv"
     return "mma2w" if fmt == "mxfp4" and average > MMA_1W_MAX_ROWS else "mma1w"
 
 
-def choose_config(pairs: int, experts: int, fmt: str, native_fp4: bool = False) -> TileConfig:
+def choose_config(pairs: int, experts: int, fmt: str, native_fp4: bool = False,
+                  mma_fits: bool = True) -> TileConfig:
     """The launch configuration for M*k = `pairs` pairs over `experts` experts (see size_class)."""
-    return DEFAULT_CONFIGS[size_class(pairs, experts, fmt, native_fp4)]
+    return DEFAULT_CONFIGS[size_class(pairs, experts, fmt, native_fp4, mma_fits)]
 
 
 # The mma path applies a ue8m0 scale as a bf16 factor scale * 2**62 (MMA path comment), finite up to
@@ -893,8 +901,8 @@ def check_mxfp4_scale_range(**scales: torch.Tensor) -> None:
             continue
         top = int(scale.view(torch.uint8).max())
         if top > MMA_MAX_UE8M0:
-            raise ValueError(f"{name} holds a ue8m0 scale 2**{top - 127} (code {top}); dsv4's MXFP4 kernels "
-                             f"accept scales up to 2**{MMA_MAX_UE8M0 - 127} (code {MMA_MAX_UE8M0})")
+            raise ValueError(f"{name} holds a ue8m0 scale 2**{top - 127} (code {top}); dsv4's MXFP4 mma path "
+                             f"accepts scales up to 2**{MMA_MAX_UE8M0 - 127} (code {MMA_MAX_UE8M0})")
 
 
 def _fit_block_k(block_k: int, hidden: int, inter: int, group: int) -> int:
@@ -921,7 +929,8 @@ def fp4_moe_pairs_triton(
     if use_dot_scaled is None:
         use_dot_scaled = native_fp4_dot(x, fmt)
     if config is None:
-        config = choose_config(pairs, experts, fmt, native_fp4_dot(x, fmt))
+        mma_fits = hidden % 32 == 0 and inter % 32 == 0
+        config = choose_config(pairs, experts, fmt, native_fp4_dot(x, fmt), mma_fits)
     group = GROUP[fmt]
     x = x.contiguous()
     order, block_expert, block_start, block_end = expert_blocks(topk_ids, experts, config.block_m)
@@ -1030,6 +1039,9 @@ def fp4_moe(
     [M, k] f32, packed weights/scales as in the module docstring -> [M, K] in x's dtype.
 
     Eager calls check every argument, including the id range (a host sync); see check_expert_ids.
+    MXFP4 scales must stay at or below 2**65 (ue8m0 code MMA_MAX_UE8M0) where the mma path runs
+    (decode and verify sizes on GPUs without FP4 tensor cores); the model's experts are checked
+    once when optimize() builds the step (check_mxfp4_scale_range), the op does not check values.
     """
     check_fp4_moe_inputs(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, fmt, w13_global, w2_global)
     check_expert_ids(topk_ids, w13.shape[0])

@@ -315,3 +315,34 @@ def test_mma_path_needs_multiples_of_32():
     x = torch.randn(3, 48)
     with pytest.raises(ValueError, match="multiples of 32"):
         moe.fp4_moe_pairs_triton(*_args(x, ids, weights, w, None), config=moe.TileConfig("mma", 8, 16, 64, num_warps=1))
+
+
+def test_nvfp4_default_config_with_k_and_i_odd_multiples_of_16():
+    """NVFP4 allows K and I multiples of 16; where they are not multiples of 32 the default launch
+    avoids the mma path (which needs 32) at every size class, through the op."""
+    w = make_experts("nvfp4", 2, 48, 48, seed=31)
+    for tokens in (3, 9):  # 3 and 9 pairs per expert: the mma size classes at K, I multiples of 32
+        ids, weights = make_routing(tokens, 2, 2, "random", seed=31 + tokens)
+        x = torch.randn(tokens, 48, generator=torch.Generator().manual_seed(tokens))
+        assert moe.size_class(tokens * 2, 2, "nvfp4") == "mma1w"
+        got = torch.ops.dsv4.fp4_moe(*_args(x, ids, weights, w, None))
+        assert_close_scaled(got, moe.fp4_moe_reference(*_args(x, ids, weights, w, None)), torch.float32)
+
+
+@pytest.mark.parametrize("code, finite", [(moe.MMA_MAX_UE8M0, True), (moe.MMA_MAX_UE8M0 + 1, False)])
+def test_mma_path_scale_limit(code, finite):
+    """MMA_MAX_UE8M0 is the mma path's real limit: down-projection scales of 2**65 give the reference's
+    result, 2**66 overflows the path's bf16 scale factor (the reference stays finite)."""
+    w = make_experts("mxfp4", 2, 64, 64, seed=33)
+    w["w2_scale"] = torch.full_like(w["w2_scale"], code)
+    ids, weights = make_routing(5, 2, 2, "random", seed=33)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(34))
+    want = moe.fp4_moe_reference(*_args(x, ids, weights, w, None))
+    assert want.isfinite().all()
+    config = moe.TileConfig("mma", 8, 16, 32, num_warps=1)
+    got = moe.combine_pairs(moe.fp4_moe_pairs_triton(*_args(x, ids, weights, w, None), config=config), ids, 2,
+                            x.dtype)
+    if finite:
+        assert_close_scaled(got, want, torch.float32)
+    else:
+        assert not got.isfinite().all()

@@ -88,9 +88,11 @@ class RoutedExperts(nn.Module):
                           if is_fp4(experts) and not isinstance(experts, Fp4Experts) else None)
         source = experts if isinstance(experts, Fp4Experts) else self.fp4_views
         if source is not None and _get(source, "fmt") == "mxfp4":
-            from dsv4_compile.kernels.fp4_moe import check_mxfp4_scale_range
+            from dsv4_compile.kernels.fp4_moe import check_mxfp4_scale_range, native_fp4_dot
 
-            check_mxfp4_scale_range(w13_scale=_get(source, "w13_scale"), w2_scale=_get(source, "w2_scale"))
+            w13_scale, w2_scale = _get(source, "w13_scale"), _get(source, "w2_scale")
+            if not native_fp4_dot(w13_scale, "mxfp4"):  # FP4 tensor cores: no mma path, no limit
+                check_mxfp4_scale_range(w13_scale=w13_scale, w2_scale=w2_scale)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         experts = self.experts
