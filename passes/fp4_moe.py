@@ -18,7 +18,7 @@ import operator
 import torch
 from torch.fx import Graph, Node
 
-from dsv4_compile.passes.fx_match import is_bmm, match_bmm
+from dsv4_compile.passes.fx_match import Decline, is_bmm, match_bmm
 
 logger = logging.getLogger("dsv4_compile")
 
@@ -84,7 +84,7 @@ def _is_input(node: Node) -> bool:
     return node.op in ("placeholder", "get_attr")
 
 
-class _Decline(Exception):
+class _Decline(Decline):
     pass
 
 
@@ -224,7 +224,7 @@ def apply(graph: Graph, report) -> int:
             continue
         try:
             m = _match(anchor)
-        except _Decline as why:
+        except Decline as why:
             if _is_candidate(anchor):
                 report.record(PASS_NAME, anchor, False, str(why))
             continue

@@ -106,9 +106,9 @@ def _check(chain: list[_Step]) -> list[_Step]:
     """The steps to replace (first to last column step) of a chain; Decline if it is not one
     the op computes."""
     x = chain[0].x
+    dims = shape(x)
     dtype = val(x).dtype
     require(dtype == torch.float32, f"matrices are {dtype}, not float32")
-    dims = shape(x)
     require(len(dims) >= 2, f"input is rank {len(dims)}, not [..., n, n]")
     rows, cols = dims[-2:]
     require(isinstance(rows, int) and isinstance(cols, int), "symbolic matrix size")
@@ -131,8 +131,11 @@ def _check(chain: list[_Step]) -> list[_Step]:
 def _rewrite(graph: Graph, steps: list[_Step]) -> None:
     iters = (len(steps) + 1) // 2
     end = steps[-1].out
+    # The first step's live input, not steps[0].x: when an earlier chain ending there was rewritten,
+    # its users (this step among them) were moved to that chain's call.
+    source = steps[0].out.args[0]
     with graph.inserting_before(end):
-        out = call(graph, torch.ops.dsv4.hc_sinkhorn.default, (steps[0].x, iters, steps[0].eps))
+        out = call(graph, torch.ops.dsv4.hc_sinkhorn.default, (source, iters, steps[0].eps))
     end.replace_all_uses_with(out)
 
 

@@ -18,10 +18,7 @@ OP = torch.ops.dsv4.hc_sinkhorn.default
 RTOL, ATOL = 1e-5, 1e-6
 
 
-@pytest.fixture(autouse=True)
-def fresh_inductor_cache(tmp_path, monkeypatch):
-    """A cache hit would skip the pass: every test compiles from scratch."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+pytestmark = pytest.mark.usefixtures("fresh_inductor_cache")
 
 
 class CallProbe(PassProbe):
@@ -124,6 +121,23 @@ def test_intermediate_read_elsewhere_splits_the_chain(used_after):
         torch.testing.assert_close(got, want, rtol=RTOL, atol=0)
     assert probe.rewrites == 2 and probe.targets.count(OP) == 2, report.format()
     assert probe.calls == [(2, EPS), (2, EPS)]
+
+
+def test_chain_after_a_rewritten_chain_reads_its_call():
+    """A chain that starts at the end of another, rewritten one (read elsewhere too) reads that
+    chain's call: no plain step of the first chain is left in the graph."""
+    dims = (-2, -1, -2)
+
+    def fn(x):
+        first = sinkhorn(x, dims)
+        return sinkhorn(first, dims), first
+
+    x = comb_input(3)
+    compiled, probe, report = compile_with_pass(fn)
+    for got, want in zip(compiled(x), fn(x)):
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=0)
+    assert probe.rewrites == 2 and probe.targets.count(OP) == 2, report.format()
+    assert torch.ops.aten.div.Tensor not in probe.targets
 
 
 def test_different_eps_declined():
