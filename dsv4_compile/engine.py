@@ -78,7 +78,8 @@ class Engine:
     def expected_sites(self) -> list[tuple[str, int]]:
         """(pass, layer) sites every compiled graph should have: sparse MLA in each layer, the
         indexer in each CSA layer, the FP4 MoE in each layer whose experts are FP4, and the mHC
-        Sinkhorn in each layer when it has at least two rounds (one is left to inductor)."""
+        Sinkhorn twice in each layer (attention and MoE hyper-connections) when it has at least two
+        rounds (one is left to inductor)."""
         enabled = {name.rsplit(".", 1)[-1] for name in self.config.passes}
         sinkhorn = self.model.config.hc_sinkhorn_iters >= 2
         sites = []
@@ -86,6 +87,8 @@ class Engine:
             wanted = [("sparse_mla", True), ("indexer", layer.self_attn.layer_type == CSA),
                       ("fp4_moe", is_fp4(layer.mlp.experts)), ("hc_sinkhorn", sinkhorn)]
             sites += [(name, i) for name, applies in wanted if applies and name in enabled]
+            if sinkhorn and "hc_sinkhorn" in enabled:
+                sites.append(("hc_sinkhorn", i))
         return sites
 
     def site_status(self) -> list[SiteStatus]:

@@ -3,6 +3,7 @@ sites of a model stayed unmatched."""
 import dataclasses
 import itertools
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -74,15 +75,15 @@ class PassReport:
         return list(dict.fromkeys(r.graph for r in self.records))
 
     def status(self, expected: list[tuple[str, int]], graph: str) -> list[SiteStatus]:
-        """For each expected (pass, layer) site of `graph`: matched, or the pass's own reason."""
+        """For each expected (pass, layer) site of `graph`: matched, or the pass's own reason. A
+        (pass, layer) listed n times needs n matched records (e.g. two mHC Sinkhorns per layer)."""
         rows = []
-        for pass_name, layer in expected:
+        for (pass_name, layer), needed in Counter(expected).items():
             mine = [r for r in self.records if r.graph == graph and r.pass_name == pass_name and r.layer == layer]
-            if any(r.matched for r in mine):
-                rows.append(SiteStatus(graph, pass_name, layer, True, ""))
-            else:
-                reasons = sorted({r.reason for r in mine}) or ["the pass found no candidate at this layer"]
-                rows.append(SiteStatus(graph, pass_name, layer, False, "; ".join(reasons)))
+            matched = sum(r.matched for r in mine)
+            reasons = sorted({r.reason for r in mine if not r.matched}) or ["the pass found no candidate at this layer"]
+            rows += [SiteStatus(graph, pass_name, layer, True, "")] * min(matched, needed)
+            rows += [SiteStatus(graph, pass_name, layer, False, "; ".join(reasons))] * max(0, needed - matched)
         return rows
 
     def format(self) -> str:
