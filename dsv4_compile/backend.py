@@ -43,8 +43,8 @@ class Dsv4Backend:
     """A callable torch.compile backend.
 
     `torch.compile(fn, backend=Dsv4Backend())`. It runs inductor's compile_fx with the dsv4
-    passes on `post_grad_custom_post_pass` and DEFAULT_INDUCTOR_OPTIONS (a torch.compile `mode` or
-    `options` override them); `report` collects the sites they considered.
+    passes on `post_grad_custom_post_pass` and DEFAULT_INDUCTOR_OPTIONS (`options` override them;
+    mode="max-autotune" autotunes pointwise kernels again); `report` collects the sites they considered.
     """
 
     def __init__(self, config: PassConfig | None = None, report: PassReport | None = None,

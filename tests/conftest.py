@@ -28,3 +28,13 @@ def fresh_compile():
     with torch._inductor.config.patch(force_disable_caches=True):
         yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def fresh_inductor_cache(tmp_path, monkeypatch):
+    """A private inductor cache directory, caches disabled and a clean dynamo state: a cache hit
+    would skip the post-grad passes, so every compile of the test runs them."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(force_disable_caches=True):
+        yield

@@ -12,10 +12,7 @@ from helpers import BmmToMmOnCpu, compile_with_probe
 EXPERTS, HIDDEN, INTER, TOP_K = 4, 64, 32, 2
 
 
-@pytest.fixture(autouse=True)
-def fresh_inductor_cache(tmp_path, monkeypatch):
-    """A cache hit would skip the pass: every test compiles from scratch."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+pytestmark = pytest.mark.usefixtures("fresh_inductor_cache")
 
 
 def compile_with_pass(fn):

@@ -11,12 +11,7 @@ from helpers import BmmToMmOnCpu, TargetsBefore, compile_with_probe
 SCALE = 128 ** -0.5
 
 
-@pytest.fixture(autouse=True)
-def fresh_inductor_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    torch._dynamo.reset()
-    with torch._inductor.config.patch(force_disable_caches=True):
-        yield
+pytestmark = pytest.mark.usefixtures("fresh_inductor_cache")
 
 
 def compile_with_pass(fn, **kwargs):
