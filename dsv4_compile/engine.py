@@ -81,14 +81,12 @@ class Engine:
         Sinkhorn twice in each layer (attention and MoE hyper-connections) when it has at least two
         rounds (one is left to inductor)."""
         enabled = {name.rsplit(".", 1)[-1] for name in self.config.passes}
-        sinkhorn = self.model.config.hc_sinkhorn_iters >= 2
+        sinkhorns = 2 if self.model.config.hc_sinkhorn_iters >= 2 else 0
         sites = []
         for i, layer in enumerate(self.model.model.layers):
-            wanted = [("sparse_mla", True), ("indexer", layer.self_attn.layer_type == CSA),
-                      ("fp4_moe", is_fp4(layer.mlp.experts)), ("hc_sinkhorn", sinkhorn)]
-            sites += [(name, i) for name, applies in wanted if applies and name in enabled]
-            if sinkhorn and "hc_sinkhorn" in enabled:
-                sites.append(("hc_sinkhorn", i))
+            wanted = {"sparse_mla": 1, "indexer": int(layer.self_attn.layer_type == CSA),
+                      "fp4_moe": int(is_fp4(layer.mlp.experts)), "hc_sinkhorn": sinkhorns}
+            sites += [(name, i) for name, count in wanted.items() if name in enabled for _ in range(count)]
         return sites
 
     def site_status(self) -> list[SiteStatus]:

@@ -926,11 +926,11 @@ def fp4_moe_pairs_triton(
     pairs = tokens * top_k
     interpreted = not x.is_cuda
     dot_dtype = tl.float32 if (interpreted or x.dtype == torch.float32) else tl.bfloat16
+    native_fp4 = native_fp4_dot(x, fmt)
     if use_dot_scaled is None:
-        use_dot_scaled = native_fp4_dot(x, fmt)
+        use_dot_scaled = native_fp4
     if config is None:
-        mma_fits = hidden % 32 == 0 and inter % 32 == 0
-        config = choose_config(pairs, experts, fmt, native_fp4_dot(x, fmt), mma_fits)
+        config = choose_config(pairs, experts, fmt, native_fp4, mma_fits=hidden % 32 == 0 and inter % 32 == 0)
     group = GROUP[fmt]
     x = x.contiguous()
     order, block_expert, block_start, block_end = expert_blocks(topk_ids, experts, config.block_m)

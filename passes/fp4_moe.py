@@ -152,10 +152,7 @@ def _match(anchor: Node) -> dict:
     if len(splits) != 1:
         raise _Decline("no single gate/up split")
     split = splits[0]
-    bmm1 = _strip(split.args[0])
-    if not is_bmm(bmm1):
-        raise _Decline("gate/up do not come from a bmm")
-    bmm1 = match_bmm(bmm1, "gate/up")
+    bmm1 = match_bmm(_strip(split.args[0]), "gate/up")
     act_region = _ancestors(act, {split})
     bad = sorted({str(n.target) for n in act_region if n.op == "call_function" and n.target not in _ACT_OPS
                   and n.target is not operator.getitem})
