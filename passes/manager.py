@@ -18,6 +18,7 @@ PASS_MODULES: tuple[str, ...] = (
     "dsv4_compile.passes.fp4_moe",
     "dsv4_compile.passes.hc_sinkhorn",
     "dsv4_compile.passes.skinny_mm",
+    "dsv4_compile.passes.short_bmm",
 )
 # Each module exposes register() -> None, installing its inductor lowerings.
 LOWERING_MODULES: tuple[str, ...] = ("dsv4_compile.lowerings.fp4_moe", "dsv4_compile.lowerings.indexer",
