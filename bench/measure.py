@@ -62,7 +62,7 @@ def _event_time_us(event: Any, device: torch.device) -> float:
     return float(event.self_cpu_time_total)
 
 
-def kernel_breakdown(fn: Step, device: torch.device, steps: int = 3, top: int = 12) -> dict:
+def kernel_breakdown(fn: Step, device: torch.device, steps: int = 3, top: int = 40) -> dict:
     """Where the time of `steps` calls of fn goes, from torch.profiler.
 
     CUDA: every GPU kernel / memcpy / memset by self device time (kernels replayed inside CUDA

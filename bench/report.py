@@ -185,7 +185,8 @@ def _breakdown_tables(results: dict, top: int = 8) -> list[str]:
                       "| kernel | per step | share |", "|---|---|---|"]
             lines += [f"| `{k['name'][:90]}` | {_fmt_us(k['us_per_step'])} | {k['share']:.1%} |"
                       for k in found["kernels"][:top]]
-            lines.append(f"| (other) | | {found['other_share']:.1%} |")
+            shown = sum(k["share"] for k in found["kernels"][:top])
+            lines.append(f"| (other) | | {1.0 - shown:.1%} |")
     return lines
 
 
