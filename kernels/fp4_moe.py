@@ -4,8 +4,8 @@ out[m] = sum_j topk_weights[m, j] * W2[e_j] @ (silu(min(gate, L)) * clamp(up, -L
 [gate, up] = W13[e_j] @ x[m], for every choice j with 0 <= e_j < E (-1 = expert on another rank).
 
 Launch (capture-safe: static shapes, no host syncs):
-1. The M*k (token, choice) pairs are sorted by expert with torch ops; each expert's pairs are
-   cut into blocks of BLOCK_M rows. At most cdiv(M*k, BLOCK_M) + min(E, M*k) blocks exist, so
+1. The M*k (token, choice) pairs are grouped by expert with torch ops (`expert_blocks`); each
+   expert's pairs are cut into blocks of BLOCK_M rows. At most cdiv(M*k, BLOCK_M) + min(E, M*k) blocks exist, so
    the grid is that static bound and surplus blocks exit at once.
 2. `_gate_up_kernel`: per (block, I tile): x rows @ dequant(W13 gate/up tile)^T, clamped
    SwiGLU -> hidden [M*k, I] in sorted-pair order.
@@ -629,6 +629,16 @@ def _scaled_pair(bits, scale, DOT_DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _mma_scale(s_raw, IS_MX: tl.constexpr):
+    """Scale bytes (int32 0..255) -> f32 scale * 2**62 (see the MMA path comment): as `_block_scale`,
+    with the e4m3 path's 2**8 folded into the same multiply."""
+    if IS_MX:
+        return (s_raw << 23).to(tl.float32, bitcast=True) * 2.0**62
+    bits = ((s_raw & 0x7F) << 7) | ((s_raw & 0x80) << 8)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 2.0**70
+
+
+@triton.jit
 def _mma_weight_tile(w_ptr, s_ptr, row0, n_rows, k0, stride_w, stride_s,
                      IS_MX: tl.constexpr, GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, NUM_WARPS: tl.constexpr, KPACK: tl.constexpr):
@@ -648,9 +658,22 @@ def _mma_weight_tile(w_ptr, s_ptr, row0, n_rows, k0, stride_w, stride_s,
     row_ok = row < n_rows
     u = tl.arange(0, U)[None, None, None, None, None, :]
     words = tl.load(w_ptr + row * stride_w + (k0 // 8 + q * U + u), mask=row_ok, other=0)
-    s_idx = k0 // GROUP + (q * U) // WPG + tl.arange(0, SPQ)[None, None, None, None, None, :]
-    s_word = tl.load(s_ptr + row * stride_s + s_idx // 4, mask=row_ok, other=0)
-    scale = _block_scale((s_word >> (s_idx % 4) * 8) & 0xFF, IS_MX) * 2.0**62
+    # Each thread loads the scale words holding its SPQ bytes once (SWQ words, BPW bytes used of each).
+    SWQ: tl.constexpr = SPQ // 4 if SPQ >= 4 else 1
+    BPW: tl.constexpr = SPQ // SWQ
+    first = k0 // GROUP + (q * U) // WPG  # a multiple of 4 where SPQ >= 4; else its bytes share one word
+    j = tl.arange(0, SWQ)[None, None, None, None, None, :]
+    s_word = tl.load(s_ptr + row * stride_s + first // 4 + j, mask=row_ok, other=0) >> (first % 4) * 8
+    # Bytes split with joins (a new register dimension) rather than a broadcast, which Triton would
+    # lay out differently from the words and convert through shared memory.
+    if BPW == 1:
+        s_raw = s_word & 0xFF
+    elif BPW == 2:
+        s_raw = tl.join(s_word & 0xFF, (s_word >> 8) & 0xFF)
+    else:
+        s_raw = tl.join(tl.join(s_word & 0xFF, (s_word >> 16) & 0xFF),
+                        tl.join((s_word >> 8) & 0xFF, (s_word >> 24) & 0xFF))
+    scale = _mma_scale(tl.reshape(s_raw, (4, 8, NUM_WARPS, 2, REP, SPQ)), IS_MX)
     scale = tl.reshape(scale, (4, 8, NUM_WARPS, 2, REP, SPQ, 1, 1))
     w = tl.reshape(words.to(tl.uint32, bitcast=True), (4, 8, NUM_WARPS, 2, REP, SPQ, U // SPQ))
     pairs = tl.join(tl.join(_scaled_pair(_e2m1_pair_bits(w, 0), scale, DOT_DTYPE),
@@ -757,21 +780,47 @@ def _down_mma_kernel(
     tl.store(pair_out_ptr + pair[None, :].to(tl.int64) * stride_o + cols[:, None], acc, mask=out_mask)
 
 
-def expert_blocks(topk_ids: torch.Tensor, experts: int, block_m: int):
-    """Group the (token, choice) pairs by expert into blocks of `block_m` rows, on device.
+# Up to this many (token, choice) pairs expert_blocks groups them without a sort: a [pairs, E + 1]
+# one-hot matrix (int32, 1.6 MB at M=256 x 6 pairs over 257 buckets) and its cumsum give each
+# pair's rank within its expert. Beyond it (prefill) that matrix grows with M and the sort is the
+# cheaper part of a far longer call.
+ONE_HOT_MAX_PAIRS = 8192
 
-    topk_ids [M, k] int32 -> (order [M*k] int32: pair indices sorted by expert,
+
+def _group_by_expert(bucket: torch.Tensor, buckets: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """bucket [P] int64 in [0, buckets) -> (order [P] int32: a permutation of 0..P-1 grouping the
+    pairs by bucket in ascending bucket order, each bucket's pairs in index order;
+    counts [buckets] int64)."""
+    pairs = bucket.numel()
+    if pairs == 0 or pairs > ONE_HOT_MAX_PAIRS:
+        order = torch.sort(bucket, stable=True).indices.to(torch.int32)
+        counts = torch.zeros(buckets, dtype=torch.int64, device=bucket.device)
+        return order, counts.scatter_add_(0, bucket, torch.ones_like(bucket))
+    one_hot = bucket[:, None] == torch.arange(buckets, device=bucket.device)
+    running = torch.cumsum(one_hot, 0, dtype=torch.int32)  # [P, buckets]: pairs so far per bucket
+    counts = running[-1].long()
+    rank = running.gather(1, bucket[:, None]).squeeze(1).long() - 1
+    position = torch.cumsum(counts, 0)[bucket] - counts[bucket] + rank
+    order = torch.empty(pairs, dtype=torch.int32, device=bucket.device)
+    order.scatter_(0, position, torch.arange(pairs, dtype=torch.int32, device=bucket.device))
+    return order, counts
+
+
+def expert_blocks(topk_ids: torch.Tensor, experts: int, block_m: int):
+    """Group the (token, choice) pairs by expert into blocks of `block_m` rows, on device, without host
+    syncs (and for up to ONE_HOT_MAX_PAIRS pairs without a sort).
+
+    topk_ids [M, k] int32 -> (order [M*k] int32: pair indices grouped by expert in ascending expert
+    order (the kernels do not depend on the order within an expert),
     block_expert / block_start / block_end [NB] int32: each block's expert (E = empty block) and
     its row range in `order`), NB = cdiv(M*k, block_m) + min(E, M*k). Ids outside [0, E) are
-    sorted past every expert and never read.
+    grouped past every expert and never read.
     """
     ids = topk_ids.reshape(-1)
     pairs = ids.numel()
     device = ids.device
     bucket = torch.where((ids >= 0) & (ids < experts), ids, experts).long()
-    order = torch.sort(bucket, stable=True).indices.to(torch.int32)
-    counts = torch.zeros(experts + 1, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, bucket, torch.ones_like(bucket))
+    order, counts = _group_by_expert(bucket, experts + 1)
     counts = counts[:experts]
     blocks = (counts + block_m - 1) // block_m
     block_end_idx = torch.cumsum(blocks, 0)
