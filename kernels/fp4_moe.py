@@ -523,11 +523,11 @@ def _down_gemv_kernel(
 
 # MMA path: the dot path with A and B swapped for expert blocks of a few rows (decode, verify). The
 # BLOCK_N weight rows are the M side of tl.dot and the block's BLOCK_M pair rows its N side, so
-# padding a block of a few pairs to BLOCK_M costs tensor-core work only, and the weights never go
-# through shared memory: each thread loads its packed words as 16-byte vectors (cp.async, pipelined
-# by num_stages), decodes them in registers straight into the MMA's A-operand layout and multiplies
-# by the group scale. In the sm_90 SASS the K loop issues about 6 instructions per weight byte per
-# thread (4.3 of them decoding; the GEMV loop issues about 10). Three choices make that work:
+# padding a block of a few pairs to BLOCK_M costs tensor-core work only. Each thread loads its own
+# packed words as 16-byte vectors (cp.async into shared memory, pipelined by num_stages, and read back
+# by the same thread), decodes them in registers straight into the MMA's A-operand layout and
+# multiplies by the group scale. In the sm_90 SASS the K loop issues about 6 instructions per weight
+# byte per thread (4.3 of them decoding; the GEMV loop issues about 10). Four choices make that work:
 # - e2m1 -> bf16 two codes at a time (`_e2m1_pair_bits`): the masked nibbles times 2**6 + 2**12 put a
 #   code's magnitude at bf16 bits 6..8 and its sign at bit 15 (value * 2**-126; code 0.5 lands on a
 #   bf16 subnormal, exact) in each half of a 32-bit word; one bf16 multiply by scale * 2**62 (packed,
@@ -536,22 +536,20 @@ def _down_gemv_kernel(
 #   other paths stay finite up to 2**113), and the epilogue multiplies by 2**64.
 # - The reduction order inside a BLOCK_K tile is permuted so that the codes a thread holds in the MMA
 #   layout are the codes of its own contiguous words: thread q of a quad holds words
-#   [q * BLOCK_K / 32, (q + 1) * BLOCK_K / 32) of its rows, and the activations are permuted to match
-#   (`mma_operand_order` on the host for x, `_mma_k_position` where the gate/up kernel stores the hidden
-#   rows). KPACK is how many code pairs the MMA layout keeps adjacent per thread: 1 for sm_90's wgmma,
-#   2 for mma.sync (`_mma_kpack`).
+#   [q * BLOCK_K / 32, (q + 1) * BLOCK_K / 32) of its rows. The activations (x, and the hidden rows,
+#   both stored in their natural column order) are loaded in the same order by `_mma_act_tile`: each
+#   thread loads the 8 * BLOCK_K / 32 contiguous values its words meet as 16-byte vectors and permutes
+#   them in registers. (Loading a plain [BLOCK_K, BLOCK_M] tile of a host-permuted x instead went
+#   through an 8-byte-per-thread shared-memory layout change and took 168 registers a thread in the
+#   gate/up kernel at 8x16x512 on 1 warp, against 123 now.) KPACK is how many code pairs the MMA
+#   layout keeps adjacent per thread: 1 for sm_90's wgmma, 2 for mma.sync (`_mma_kpack`).
 # - The words are loaded as [quad lane, row in 8, warp, row half, repeat, word]: Triton's coalescer then
 #   gives the lanes and warps exactly the rows and columns the MMA layout gives them, so the final
-#   convert to the dot operand is a register renaming. The scales come as int32 words of 4 scale bytes
-#   (cp.async needs 4 bytes) from which each thread shifts out its own. A different Triton layout
-#   choice would only cost a layout conversion, never correctness.
-def mma_operand_order(a: torch.Tensor, block_k: int, kpack: int) -> torch.Tensor:
-    """a [R, C] (C % block_k == 0, block_k >= 32) -> its columns in the MMA path's reduction order
-    (see `_mma_k_position`), contiguous."""
-    rows, cols = a.shape
-    tiles = a.reshape(rows, cols // block_k, 4, block_k // 32, 2, 2, 2)  # [r, tile, q, u, a, c, b]
-    order = (0, 1, 3, 5, 6, 2, 4) if kpack == 1 else (0, 1, 3, 5, 2, 6, 4)
-    return tiles.permute(order).reshape(rows, cols)
+#   convert to the dot operand is a register renaming. A different Triton layout choice would only cost
+#   a layout conversion, never correctness.
+# - The scales come as int32 words of 4 scale bytes (cp.async needs 4 bytes); each thread loads the
+#   words holding its own bytes once and shifts them out (loading a word per scale byte read each word
+#   up to 4 times and, for NVFP4, doubled the scale traffic through L1).
 
 
 @functools.lru_cache(maxsize=None)
@@ -575,25 +573,6 @@ def _mma_kpack(x: torch.Tensor, config: TileConfig) -> int:
     if x.is_cuda:
         wgmma = wgmma and torch.cuda.get_device_capability(x.device)[0] == 9
     return 1 if wgmma else 2
-
-
-@triton.jit
-def _mma_k_position(k, BLOCK_K: tl.constexpr, KPACK: tl.constexpr):
-    """Reduction index k -> its position in the MMA path's order: in a BLOCK_K tile, code 2c + b + 4a of
-    word u of quad lane q (k = 8 * (q * BLOCK_K / 32 + u) + 4a + 2c + b) goes to 8 * (4u + 2c + b) + 2q + a
-    (KPACK 1) or 16 * (2u + c) + 4q + 2b + a (KPACK 2)."""
-    U: tl.constexpr = BLOCK_K // 32
-    t = k % BLOCK_K
-    q = t // (8 * U)
-    u = (t // 8) % U
-    a = (t // 4) % 2
-    c = (t // 2) % 2
-    b = t % 2
-    if KPACK == 1:
-        pos = 8 * (4 * u + 2 * c + b) + 2 * q + a
-    else:
-        pos = 16 * (2 * u + c) + 4 * q + 2 * b + a
-    return k - t + pos
 
 
 @triton.jit
@@ -689,6 +668,31 @@ def _mma_weight_tile(w_ptr, s_ptr, row0, n_rows, k0, stride_w, stride_s,
 
 
 @triton.jit
+def _mma_act_tile(a_ptr, a_rows, row_mask, k0, stride_a,
+                  BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, KPACK: tl.constexpr):
+    """Activation rows `a_rows` [BLOCK_M] (zeros where not row_mask) x columns [k0, k0 + BLOCK_K) of a
+    row-major matrix -> [BLOCK_K, BLOCK_M], the reduction index in the MMA path's order (the order in
+    which `_mma_weight_tile` returns a quad lane's codes).
+
+    Loaded as [quad lane q, row, word u, 8 values]: the 8 values of a word are one 16-byte vector and
+    Triton's coalescer gives the quad lanes and rows to the lanes as the MMA operand layout does, so
+    each thread loads exactly the activations its own weight words meet.
+    """
+    U: tl.constexpr = BLOCK_K // 32
+    q = tl.arange(0, 4)[:, None, None, None]
+    u = tl.arange(0, U)[None, None, :, None]
+    v = tl.arange(0, 8)[None, None, None, :]
+    offs = a_rows[None, :, None, None].to(tl.int64) * stride_a + (k0 + 8 * (q * U + u) + v)
+    vals = tl.load(a_ptr + offs, mask=row_mask[None, :, None, None], other=0.0)
+    vals = tl.reshape(vals, (4, BLOCK_M, U, 2, 2, 2))  # [q, row, u, a, c, b]: k = 8 (q U + u) + 4a + 2c + b
+    if KPACK == 1:
+        vals = tl.permute(vals, (2, 4, 5, 0, 3, 1))  # k (u, c, b, q, a)
+    else:
+        vals = tl.permute(vals, (2, 4, 0, 5, 3, 1))  # k (u, c, q, b, a)
+    return tl.reshape(vals, (BLOCK_K, BLOCK_M))
+
+
+@triton.jit
 def _gate_up_mma_kernel(
     x_ptr, order_ptr, block_expert_ptr, block_start_ptr, block_end_ptr,
     w13_ptr, s13_ptr, g13_ptr, hidden_ptr,
@@ -700,7 +704,7 @@ def _gate_up_mma_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_WARPS: tl.constexpr, KPACK: tl.constexpr,
 ):
-    """x [M, K] in MMA order, w13 / scales as int32 words -> hidden [M*k, I] in MMA order (sorted pairs)."""
+    """x [M, K], w13 / scales as int32 words -> hidden [M*k, I] (rows in sorted-pair order)."""
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert >= E:
@@ -715,10 +719,8 @@ def _gate_up_mma_kernel(
     s_base = s13_ptr + expert.to(tl.int64) * stride_se
     acc_gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    kk = tl.arange(0, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
-        xt = tl.load(x_ptr + token[None, :] * stride_x + (k0 + kk)[:, None], mask=row_mask[None, :], other=0.0)
-        xt = xt.to(DOT_DTYPE)
+        xt = _mma_act_tile(x_ptr, token, row_mask, k0, stride_x, BLOCK_M, BLOCK_K, KPACK).to(DOT_DTYPE)
         gate_w = _mma_weight_tile(w_base, s_base, col0, I, k0, stride_wn, stride_sn,
                                   IS_MX, GROUP, DOT_DTYPE, BLOCK_N, BLOCK_K, NUM_WARPS, KPACK)
         acc_gate = tl.dot(gate_w, xt, acc_gate, input_precision="ieee")
@@ -736,8 +738,7 @@ def _gate_up_mma_kernel(
     act = gate / (1.0 + tl.exp(-gate)) * up
     cols = col0 + tl.arange(0, BLOCK_N)
     out_mask = (cols < I)[:, None] & row_mask[None, :]
-    out_cols = _mma_k_position(cols, BLOCK_K, KPACK)
-    tl.store(hidden_ptr + rows[None, :] * stride_h + out_cols[:, None], act.to(hidden_ptr.dtype.element_ty),
+    tl.store(hidden_ptr + rows[None, :] * stride_h + cols[:, None], act.to(hidden_ptr.dtype.element_ty),
              mask=out_mask)
 
 
@@ -751,7 +752,7 @@ def _down_mma_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_WARPS: tl.constexpr, KPACK: tl.constexpr,
 ):
-    """hidden [M*k, I] in MMA order, w2 / scales as int32 words -> weighted pair outputs [M*k, K] f32."""
+    """hidden [M*k, I], w2 / scales as int32 words -> weighted pair outputs [M*k, K] f32."""
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert >= E:
@@ -764,12 +765,11 @@ def _down_mma_kernel(
     w_base = w2_ptr + expert.to(tl.int64) * stride_we
     s_base = s2_ptr + expert.to(tl.int64) * stride_se
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    kk = tl.arange(0, BLOCK_K)
     for k0 in range(0, I, BLOCK_K):
-        ht = tl.load(hidden_ptr + rows[None, :] * stride_h + (k0 + kk)[:, None], mask=row_mask[None, :], other=0.0)
+        ht = _mma_act_tile(hidden_ptr, rows, row_mask, k0, stride_h, BLOCK_M, BLOCK_K, KPACK).to(DOT_DTYPE)
         w = _mma_weight_tile(w_base, s_base, col0, K, k0, stride_wn, stride_sn,
                              IS_MX, GROUP, DOT_DTYPE, BLOCK_N, BLOCK_K, NUM_WARPS, KPACK)
-        acc = tl.dot(w, ht.to(DOT_DTYPE), acc, input_precision="ieee")
+        acc = tl.dot(w, ht, acc, input_precision="ieee")
     pair = tl.load(order_ptr + rows, mask=row_mask, other=0)
     routing = tl.load(weights_ptr + pair, mask=row_mask, other=0.0) * 2.0**64
     if not IS_MX:
@@ -897,8 +897,9 @@ class TileConfig:
 # dot; M=256 (verify, 6 per expert) 1.92 ms with the 2-warp tile vs 2.06 16-row 1-warp, 3.29 dot
 # and 6.75 GEMV. NVFP4 takes the 1-warp tile at any of these sizes (its e4m3 scales make the
 # 2-warp tile slower: M=64 1.91 ms 1-warp vs 2.74 2-warp and 2.49 GEMV; M=256 2.73 vs 3.98 and
-# 3.11 dot). At 1 pair per expert GEMV stays (M=8 MXFP4: 0.370 vs 0.378 ms 1-warp mma). Beyond 16
-# pairs per expert (prefill) both formats take 64-row dot blocks. Where FP4 tensor cores exist
+# 3.11 dot), at M=64 with 256 reduction columns per step ("mma1w_nv": 1.70 ms vs 1.91 with 512).
+# At 1 pair per expert GEMV stays (M=8 MXFP4: 0.370 vs 0.378 ms 1-warp mma). Beyond 16 pairs per
+# expert (prefill) both formats take 64-row dot blocks. Where FP4 tensor cores exist
 # (sm_100+) MXFP4 keeps GEMV up to GEMV_MAX_ROWS and the dot path above, which uses tl.dot_scaled
 # there. Prefetching (see the GEMV path comment) changed the one-row GEMV by -5% to
 # +1%: that loop is bound by its instructions per weight byte, not by load latency. The mma path's
@@ -910,6 +911,7 @@ DENSE_MIN_ROWS = 17
 DEFAULT_CONFIGS = {
     "gemv": TileConfig("gemv", 1, 16, 512, num_warps=4, prefetch=True),
     "mma1w": TileConfig("mma", 8, 16, 512, num_warps=1, num_stages=2),
+    "mma1w_nv": TileConfig("mma", 8, 16, 256, num_warps=1, num_stages=2),
     "mma2w": TileConfig("mma", 8, 32, 512, num_warps=2, num_stages=2),
     "dot16": TileConfig("dot", 16, 64, 128, num_warps=4, num_stages=2),
     "dot64": TileConfig("dot", 64, 64, 128, num_warps=4, num_stages=2),
@@ -927,7 +929,9 @@ def size_class(pairs: int, experts: int, fmt: str, native_fp4: bool = False, mma
         return "gemv" if average <= GEMV_MAX_ROWS else "dot16"
     if average == 1:
         return "gemv"
-    return "mma2w" if fmt == "mxfp4" and average > MMA_1W_MAX_ROWS else "mma1w"
+    if fmt == "nvfp4":
+        return "mma1w_nv" if average <= MMA_1W_MAX_ROWS else "mma1w"
+    return "mma2w" if average > MMA_1W_MAX_ROWS else "mma1w"
 
 
 def choose_config(pairs: int, experts: int, fmt: str, native_fp4: bool = False,
@@ -1010,7 +1014,7 @@ def fp4_moe_pairs_triton(
         gate_up, down = _gate_up_mma_kernel, _down_mma_kernel
         kpack = _mma_kpack(x, config)
         common.update(DOT_DTYPE=dot_dtype, NUM_WARPS=config.num_warps, KPACK=kpack)
-        x, w13, w2 = mma_operand_order(x, block_k, kpack), _as_words(w13), _as_words(w2)
+        w13, w2 = _as_words(w13), _as_words(w2)
         s13, s2 = _scale_words(s13), _scale_words(s2)
     else:
         gate_up, down = _gate_up_kernel, _down_kernel
