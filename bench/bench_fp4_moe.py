@@ -277,8 +277,8 @@ def _dot(block_m, block_n, block_k, warps, stages):
     return moe.TileConfig("dot", block_m, block_n, block_k, num_warps=warps, num_stages=stages)
 
 
-def _mma(block_m, block_n, block_k, warps, stages):
-    return moe.TileConfig("mma", block_m, block_n, block_k, num_warps=warps, num_stages=stages)
+def _mma(block_m, block_n, block_k, warps, stages, prefetch=False):
+    return moe.TileConfig("mma", block_m, block_n, block_k, num_warps=warps, num_stages=stages, prefetch=prefetch)
 
 
 # Candidates per M at V4-Flash sizes (E=256, k=6); the table marks the default (`choose_config`). M=1
@@ -289,16 +289,17 @@ def _mma(block_m, block_n, block_k, warps, stages):
 # serves BLOCK_N / 16 MMA row tiles: fewer activation bytes through L1 per weight byte, which bound the
 # 16-row tile in the fifth session's ncu profile) and 1-warp tiles without cp.async pipelining
 # (num_stages=1: in the sm_90 build of 8x32x256 and 8x64x128 the weights and activations then load
-# straight into registers, no shared memory at all). Configs that lost in every earlier sweep were
-# dropped. About 40 (config, M, format) rows: some 5 minutes on the H200 with compiles.
+# straight into registers, no shared memory at all), with prefetch=True loading the next K step into
+# registers before the current one is decoded. Configs that lost in every earlier sweep were dropped.
+# 40 (config, M, format) rows: some 5 minutes on the H200 with compiles.
 _DECODE = [_gemv(1, 16, 512, 4, True), _mma(8, 32, 256, 1, 2), _mma(8, 32, 256, 1, 1)]
 SWEEP_CANDIDATES = {
     1: _DECODE,
     8: _DECODE,
     64: [_mma(8, 16, 512, 1, 2), _mma(8, 16, 256, 1, 2), _mma(8, 32, 256, 1, 2), _mma(8, 64, 128, 1, 3),
-         _mma(8, 16, 256, 1, 1), _mma(8, 32, 256, 1, 1), _mma(8, 64, 128, 1, 1)],
+         _mma(8, 32, 256, 1, 1), _mma(8, 64, 128, 1, 1), _mma(8, 16, 256, 1, 1, True), _mma(8, 32, 128, 1, 1, True)],
     256: [_mma(8, 32, 512, 2, 2), _mma(8, 16, 512, 1, 2), _mma(8, 16, 256, 1, 2), _mma(8, 32, 256, 1, 2),
-          _mma(8, 64, 128, 1, 3), _mma(8, 32, 256, 1, 1)],
+          _mma(8, 32, 256, 1, 1), _mma(8, 16, 256, 1, 1, True)],
 }
 
 
@@ -398,7 +399,8 @@ def main() -> None:
     if args.smoke:
         cfg = dict(E=8, K=64, I=32, k=2, Ms=(1, 4), compile_bytes=1 << 40,
                    candidates={m: [_gemv(1, 16, 64, 4), _gemv(2, 8, 32, 2), _gemv(2, 8, 32, 2, True),
-                                       _dot(16, 32, 32, 4, 1), _mma(8, 16, 32, 1, 1)] for m in (1, 4)})
+                                       _dot(16, 32, 32, 4, 1), _mma(8, 16, 32, 1, 1), _mma(8, 16, 32, 1, 1, True)]
+                               for m in (1, 4)})
         device = "cpu"
         if os.environ.get("TRITON_INTERPRET") != "1":
             raise SystemExit("--smoke runs the kernels under the interpreter: set TRITON_INTERPRET=1")

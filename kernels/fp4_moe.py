@@ -537,7 +537,7 @@ def _down_gemv_kernel(
 # - The reduction order inside a BLOCK_K tile is permuted so that the codes a thread holds in the MMA
 #   layout are the codes of its own contiguous words: thread q of a quad holds words
 #   [q * BLOCK_K / 32, (q + 1) * BLOCK_K / 32) of its rows. The activations (x, and the hidden rows,
-#   both stored in their natural column order) are loaded in the same order by `_mma_act_tile`: each
+#   both stored in their natural column order) are loaded in the same order (`_mma_load_act`, `_mma_act_order`): each
 #   thread loads the 8 * BLOCK_K / 32 contiguous values its words meet as 16-byte vectors and permutes
 #   them in registers. (Loading a plain [BLOCK_K, BLOCK_M] tile of a host-permuted x instead went
 #   through an 8-byte-per-thread shared-memory layout change and took 168 registers a thread in the
@@ -550,6 +550,11 @@ def _down_gemv_kernel(
 # - The scales come as int32 words of 4 scale bytes (cp.async needs 4 bytes); each thread loads the
 #   words holding its own bytes once and shifts them out (loading a word per scale byte read each word
 #   up to 4 times and, for NVFP4, doubled the scale traffic through L1).
+# With num_stages=1 there is no cp.async and, where the per-thread words are one 16-byte vector or
+# fewer per (quad lane, row) pair of tiles, no shared memory at all (sm_90 builds of 8x32x256 and
+# 8x64x128 on 1 warp); TileConfig.prefetch then loads the next K step's activations, words and scale
+# words into registers before decoding the current ones, held at the top of the loop by a barrier as
+# in the GEMV path (see its comment).
 
 
 @functools.lru_cache(maxsize=None)
@@ -618,16 +623,17 @@ def _mma_scale(s_raw, IS_MX: tl.constexpr):
 
 
 @triton.jit
-def _mma_weight_tile(w_ptr, s_ptr, row0, n_rows, k0, stride_w, stride_s,
-                     IS_MX: tl.constexpr, GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, NUM_WARPS: tl.constexpr, KPACK: tl.constexpr):
-    """Rows [row0, row0 + BLOCK_N) (zero at and past n_rows) x the BLOCK_K tile at k0 of an FP4 matrix
-    (int32 words, int32 scale words) -> [BLOCK_N, BLOCK_K] DOT_DTYPE value * scale * 2**-64 (without the
-    nvfp4 global scale), columns in the MMA path's order."""
+def _mma_load_weights(w_ptr, s_ptr, row0, n_rows, k0, stride_w, stride_s,
+                      GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_WARPS: tl.constexpr):
+    """The packed words and scale words of rows [row0, row0 + BLOCK_N) (zeros at and past n_rows) x the
+    BLOCK_K tile at k0 of an FP4 matrix (int32 words, int32 scale words), as each thread holds them:
+    words [4, 8, NUM_WARPS, 2, REP, U], scale words [4, 8, NUM_WARPS, 2, REP, SWQ] (`_mma_decode_weights`)."""
     U: tl.constexpr = BLOCK_K // 32  # words per quad lane and row
     WPG: tl.constexpr = GROUP // 8  # words per scale group
     REP: tl.constexpr = BLOCK_N // (16 * NUM_WARPS)
     SPQ: tl.constexpr = U // WPG if U >= WPG else 1  # scales per quad lane and row
+    # Each thread loads the scale words holding its SPQ bytes once (SWQ words).
+    SWQ: tl.constexpr = SPQ // 4 if SPQ >= 4 else 1
     q = tl.arange(0, 4)[:, None, None, None, None, None]
     lane_row = tl.arange(0, 8)[None, :, None, None, None, None]
     warp = tl.arange(0, NUM_WARPS)[None, None, :, None, None, None]
@@ -637,12 +643,26 @@ def _mma_weight_tile(w_ptr, s_ptr, row0, n_rows, k0, stride_w, stride_s,
     row_ok = row < n_rows
     u = tl.arange(0, U)[None, None, None, None, None, :]
     words = tl.load(w_ptr + row * stride_w + (k0 // 8 + q * U + u), mask=row_ok, other=0)
-    # Each thread loads the scale words holding its SPQ bytes once (SWQ words, BPW bytes used of each).
-    SWQ: tl.constexpr = SPQ // 4 if SPQ >= 4 else 1
-    BPW: tl.constexpr = SPQ // SWQ
     first = k0 // GROUP + (q * U) // WPG  # a multiple of 4 where SPQ >= 4; else its bytes share one word
     j = tl.arange(0, SWQ)[None, None, None, None, None, :]
-    s_word = tl.load(s_ptr + row * stride_s + first // 4 + j, mask=row_ok, other=0) >> (first % 4) * 8
+    s_words = tl.load(s_ptr + row * stride_s + first // 4 + j, mask=row_ok, other=0)
+    return words, s_words
+
+
+@triton.jit
+def _mma_decode_weights(words, s_words, k0,
+                        IS_MX: tl.constexpr, GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, NUM_WARPS: tl.constexpr, KPACK: tl.constexpr):
+    """`_mma_load_weights`' words and scale words of the tile at k0 -> [BLOCK_N, BLOCK_K] DOT_DTYPE
+    value * scale * 2**-64 (without the nvfp4 global scale), columns in the MMA path's order."""
+    U: tl.constexpr = BLOCK_K // 32
+    WPG: tl.constexpr = GROUP // 8
+    REP: tl.constexpr = BLOCK_N // (16 * NUM_WARPS)
+    SPQ: tl.constexpr = U // WPG if U >= WPG else 1
+    SWQ: tl.constexpr = SPQ // 4 if SPQ >= 4 else 1
+    BPW: tl.constexpr = SPQ // SWQ  # scale bytes used of each scale word
+    q = tl.arange(0, 4)[:, None, None, None, None, None]
+    s_word = s_words >> ((k0 // GROUP + (q * U) // WPG) % 4) * 8
     # Bytes split with joins (a new register dimension) rather than a broadcast, which Triton would
     # lay out differently from the words and convert through shared memory.
     if BPW == 1:
@@ -668,23 +688,25 @@ def _mma_weight_tile(w_ptr, s_ptr, row0, n_rows, k0, stride_w, stride_s,
 
 
 @triton.jit
-def _mma_act_tile(a_ptr, a_rows, row_mask, k0, stride_a,
-                  BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, KPACK: tl.constexpr):
+def _mma_load_act(a_ptr, a_rows, row_mask, k0, stride_a, BLOCK_K: tl.constexpr):
     """Activation rows `a_rows` [BLOCK_M] (zeros where not row_mask) x columns [k0, k0 + BLOCK_K) of a
-    row-major matrix -> [BLOCK_K, BLOCK_M], the reduction index in the MMA path's order (the order in
-    which `_mma_weight_tile` returns a quad lane's codes).
-
-    Loaded as [quad lane q, row, word u, 8 values]: the 8 values of a word are one 16-byte vector and
-    Triton's coalescer gives the quad lanes and rows to the lanes as the MMA operand layout does, so
-    each thread loads exactly the activations its own weight words meet.
-    """
+    row-major matrix, as the threads hold them: [quad lane q, row, word u, 8 values] with column
+    k0 + 8 (q U + u) + v, U = BLOCK_K / 32. The 8 values of a word are one 16-byte vector and Triton's
+    coalescer gives the quad lanes and rows to the lanes as the MMA operand layout does, so each thread
+    loads exactly the activations its own weight words meet."""
     U: tl.constexpr = BLOCK_K // 32
     q = tl.arange(0, 4)[:, None, None, None]
     u = tl.arange(0, U)[None, None, :, None]
     v = tl.arange(0, 8)[None, None, None, :]
     offs = a_rows[None, :, None, None].to(tl.int64) * stride_a + (k0 + 8 * (q * U + u) + v)
-    vals = tl.load(a_ptr + offs, mask=row_mask[None, :, None, None], other=0.0)
-    vals = tl.reshape(vals, (4, BLOCK_M, U, 2, 2, 2))  # [q, row, u, a, c, b]: k = 8 (q U + u) + 4a + 2c + b
+    return tl.load(a_ptr + offs, mask=row_mask[None, :, None, None], other=0.0)
+
+
+@triton.jit
+def _mma_act_order(vals, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, KPACK: tl.constexpr):
+    """`_mma_load_act`'s [4, BLOCK_M, U, 8] -> [BLOCK_K, BLOCK_M], the reduction index in the MMA path's
+    order (the order in which `_mma_decode_weights` returns a quad lane's codes); in registers."""
+    vals = tl.reshape(vals, (4, BLOCK_M, BLOCK_K // 32, 2, 2, 2))  # [q, row, u, a, c, b]: v = 4a + 2c + b
     if KPACK == 1:
         vals = tl.permute(vals, (2, 4, 5, 0, 3, 1))  # k (u, c, b, q, a)
     else:
@@ -702,7 +724,7 @@ def _gate_up_mma_kernel(
     K: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
     HAS_LIMIT: tl.constexpr, IS_MX: tl.constexpr, GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_WARPS: tl.constexpr, KPACK: tl.constexpr,
+    NUM_WARPS: tl.constexpr, KPACK: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """x [M, K], w13 / scales as int32 words -> hidden [M*k, I] (rows in sorted-pair order)."""
     block = tl.program_id(0)
@@ -719,13 +741,35 @@ def _gate_up_mma_kernel(
     s_base = s13_ptr + expert.to(tl.int64) * stride_se
     acc_gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    u_base, us_base = w_base + I * stride_wn, s_base + I * stride_sn
+    if PREFETCH:
+        x_next = _mma_load_act(x_ptr, token, row_mask, 0, stride_x, BLOCK_K)
+        g_next, gs_next = _mma_load_weights(w_base, s_base, col0, I, 0, stride_wn, stride_sn,
+                                            GROUP, BLOCK_N, BLOCK_K, NUM_WARPS)
+        u_next, us_next = _mma_load_weights(u_base, us_base, col0, I, 0, stride_wn, stride_sn,
+                                            GROUP, BLOCK_N, BLOCK_K, NUM_WARPS)
     for k0 in range(0, K, BLOCK_K):
-        xt = _mma_act_tile(x_ptr, token, row_mask, k0, stride_x, BLOCK_M, BLOCK_K, KPACK).to(DOT_DTYPE)
-        gate_w = _mma_weight_tile(w_base, s_base, col0, I, k0, stride_wn, stride_sn,
-                                  IS_MX, GROUP, DOT_DTYPE, BLOCK_N, BLOCK_K, NUM_WARPS, KPACK)
+        if PREFETCH:  # see the MMA path comment
+            x_raw, g_words, g_scales, u_words, u_scales = x_next, g_next, gs_next, u_next, us_next
+            live = k0 + BLOCK_K < K
+            x_next = _mma_load_act(x_ptr, token, row_mask & live, k0 + BLOCK_K, stride_x, BLOCK_K)
+            g_next, gs_next = _mma_load_weights(w_base, s_base, col0, tl.where(live, I, 0), k0 + BLOCK_K,
+                                                stride_wn, stride_sn, GROUP, BLOCK_N, BLOCK_K, NUM_WARPS)
+            u_next, us_next = _mma_load_weights(u_base, us_base, col0, tl.where(live, I, 0), k0 + BLOCK_K,
+                                                stride_wn, stride_sn, GROUP, BLOCK_N, BLOCK_K, NUM_WARPS)
+            tl.debug_barrier()
+        else:
+            x_raw = _mma_load_act(x_ptr, token, row_mask, k0, stride_x, BLOCK_K)
+            g_words, g_scales = _mma_load_weights(w_base, s_base, col0, I, k0, stride_wn, stride_sn,
+                                                  GROUP, BLOCK_N, BLOCK_K, NUM_WARPS)
+            u_words, u_scales = _mma_load_weights(u_base, us_base, col0, I, k0, stride_wn, stride_sn,
+                                                  GROUP, BLOCK_N, BLOCK_K, NUM_WARPS)
+        xt = _mma_act_order(x_raw, BLOCK_M, BLOCK_K, KPACK).to(DOT_DTYPE)
+        gate_w = _mma_decode_weights(g_words, g_scales, k0, IS_MX, GROUP, DOT_DTYPE, BLOCK_N, BLOCK_K, NUM_WARPS,
+                                     KPACK)
         acc_gate = tl.dot(gate_w, xt, acc_gate, input_precision="ieee")
-        up_w = _mma_weight_tile(w_base + I * stride_wn, s_base + I * stride_sn, col0, I, k0, stride_wn, stride_sn,
-                                IS_MX, GROUP, DOT_DTYPE, BLOCK_N, BLOCK_K, NUM_WARPS, KPACK)
+        up_w = _mma_decode_weights(u_words, u_scales, k0, IS_MX, GROUP, DOT_DTYPE, BLOCK_N, BLOCK_K, NUM_WARPS,
+                                   KPACK)
         acc_up = tl.dot(up_w, xt, acc_up, input_precision="ieee")
     fix = 2.0**64  # the 2**-64 of the decoded weights
     if not IS_MX:
@@ -750,7 +794,7 @@ def _down_mma_kernel(
     stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_o,
     K: tl.constexpr, I: tl.constexpr, IS_MX: tl.constexpr, GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_WARPS: tl.constexpr, KPACK: tl.constexpr,
+    NUM_WARPS: tl.constexpr, KPACK: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """hidden [M*k, I], w2 / scales as int32 words -> weighted pair outputs [M*k, K] f32."""
     block = tl.program_id(0)
@@ -765,10 +809,24 @@ def _down_mma_kernel(
     w_base = w2_ptr + expert.to(tl.int64) * stride_we
     s_base = s2_ptr + expert.to(tl.int64) * stride_se
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if PREFETCH:
+        h_next = _mma_load_act(hidden_ptr, rows, row_mask, 0, stride_h, BLOCK_K)
+        w_next, s_next = _mma_load_weights(w_base, s_base, col0, K, 0, stride_wn, stride_sn,
+                                           GROUP, BLOCK_N, BLOCK_K, NUM_WARPS)
     for k0 in range(0, I, BLOCK_K):
-        ht = _mma_act_tile(hidden_ptr, rows, row_mask, k0, stride_h, BLOCK_M, BLOCK_K, KPACK).to(DOT_DTYPE)
-        w = _mma_weight_tile(w_base, s_base, col0, K, k0, stride_wn, stride_sn,
-                             IS_MX, GROUP, DOT_DTYPE, BLOCK_N, BLOCK_K, NUM_WARPS, KPACK)
+        if PREFETCH:  # see the MMA path comment
+            h_raw, words, scales = h_next, w_next, s_next
+            live = k0 + BLOCK_K < I
+            h_next = _mma_load_act(hidden_ptr, rows, row_mask & live, k0 + BLOCK_K, stride_h, BLOCK_K)
+            w_next, s_next = _mma_load_weights(w_base, s_base, col0, tl.where(live, K, 0), k0 + BLOCK_K,
+                                               stride_wn, stride_sn, GROUP, BLOCK_N, BLOCK_K, NUM_WARPS)
+            tl.debug_barrier()
+        else:
+            h_raw = _mma_load_act(hidden_ptr, rows, row_mask, k0, stride_h, BLOCK_K)
+            words, scales = _mma_load_weights(w_base, s_base, col0, K, k0, stride_wn, stride_sn,
+                                              GROUP, BLOCK_N, BLOCK_K, NUM_WARPS)
+        ht = _mma_act_order(h_raw, BLOCK_M, BLOCK_K, KPACK).to(DOT_DTYPE)
+        w = _mma_decode_weights(words, scales, k0, IS_MX, GROUP, DOT_DTYPE, BLOCK_N, BLOCK_K, NUM_WARPS, KPACK)
         acc = tl.dot(w, ht, acc, input_precision="ieee")
     pair = tl.load(order_ptr + rows, mask=row_mask, other=0)
     routing = tl.load(weights_ptr + pair, mask=row_mask, other=0.0) * 2.0**64
@@ -856,8 +914,9 @@ class TileConfig:
     (tl.dot with the weight rows as the M side, see the MMA path comment; block_n a multiple of
     16 * num_warps, block_k >= 32, K and I multiples of 32).
     block_m: pair rows per expert block; block_n: output columns per program; block_k: reduction
-    columns per loop step (clamped to what divides K and I, see `_fit_block_k`); prefetch (GEMV path
-    only): load the next K step's weights before decoding the current one (see the GEMV path comment).
+    columns per loop step (clamped to what divides K and I, see `_fit_block_k`); prefetch (GEMV path, and
+    mma path with num_stages=1): load the next K step's weights before decoding the current one (see the
+    GEMV path and MMA path comments).
     """
 
     path: str
@@ -883,8 +942,9 @@ class TileConfig:
         if self.path == "mma" and self.block_n % (16 * self.num_warps):
             raise ValueError(f"TileConfig.block_n must be a multiple of 16 * num_warps = {16 * self.num_warps} "
                              f"for the mma path, got {self.block_n}")
-        if self.prefetch and self.path != "gemv":
-            raise ValueError("TileConfig.prefetch applies to the gemv path only (the others use num_stages)")
+        if self.prefetch and not (self.path == "gemv" or (self.path == "mma" and self.num_stages == 1)):
+            raise ValueError("TileConfig.prefetch applies to the gemv path and to the mma path with num_stages=1 "
+                             "(the others pipeline with num_stages)")
 
 
 # The path by average pairs per expert (M*k / E; a static shape fact, so the choice is
@@ -1013,7 +1073,7 @@ def fp4_moe_pairs_triton(
     elif config.path == "mma":
         gate_up, down = _gate_up_mma_kernel, _down_mma_kernel
         kpack = _mma_kpack(x, config)
-        common.update(DOT_DTYPE=dot_dtype, NUM_WARPS=config.num_warps, KPACK=kpack)
+        common.update(DOT_DTYPE=dot_dtype, NUM_WARPS=config.num_warps, KPACK=kpack, PREFETCH=config.prefetch)
         w13, w2 = _as_words(w13), _as_words(w2)
         s13, s2 = _scale_words(s13), _scale_words(s2)
     else:

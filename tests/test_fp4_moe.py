@@ -212,8 +212,11 @@ def test_fake_and_compile():
     "path_config",
     [moe.TileConfig("gemv", 2, 32, 64), moe.TileConfig("dot", 16, 32, 64),
      moe.TileConfig("gemv", 2, 32, 32, prefetch=True), moe.TileConfig("gemv", 1, 16, 64, prefetch=True),
-     moe.TileConfig("mma", 16, 128, 64, num_stages=3), moe.TileConfig("mma", 8, 32, 128, num_warps=2)],
-    ids=["gemv", "dot", "gemv_prefetch", "gemv_prefetch_one_down_step", "mma_wgmma_order", "mma_sync_order"],
+     moe.TileConfig("mma", 16, 128, 64, num_stages=3), moe.TileConfig("mma", 8, 32, 128, num_warps=2),
+     moe.TileConfig("mma", 8, 32, 32, num_warps=1, prefetch=True),
+     moe.TileConfig("mma", 8, 16, 64, num_warps=1, prefetch=True)],
+    ids=["gemv", "dot", "gemv_prefetch", "gemv_prefetch_one_down_step", "mma_wgmma_order", "mma_sync_order",
+         "mma_prefetch", "mma_prefetch_one_down_step"],
 )
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 def test_each_path_matches_reference(path_config, fmt):
@@ -221,7 +224,8 @@ def test_each_path_matches_reference(path_config, fmt):
     (skewed), empty experts, swiglu_limit; poisoned outputs; K and I that span several K steps (the
     prefetching GEMV loop also with a single step over I = BLOCK_K, where it only loads past the end,
     masked; the mma path with two row repeats per warp and rows past the last weight row (BLOCK_N =
-    128 > I), and with one K step of two words per lane over I)."""
+    128 > I), and with one K step of two words per lane over I; the prefetching mma loop with several
+    K steps and with one, only loading past the end)."""
     experts, hidden, inter, tokens, top_k = 8, 128, 64, 7, 3
     w = make_experts(fmt, experts, hidden, inter, seed=11)
     ids, weights = make_routing(tokens, top_k, experts, "skewed", seed=11)
@@ -296,7 +300,7 @@ def test_size_class_rule(tokens, mxfp4, nvfp4, mxfp4_native):
     "kwargs, match",
     [(dict(path="tiles"), "path"), (dict(block_n=24), "block_n"), (dict(block_k=0), "block_k"),
      (dict(path="dot", block_m=8), "block_m"), (dict(path="dot", block_m=16, prefetch=True), "prefetch"),
-     (dict(path="mma", block_n=32), "block_n"), (dict(path="mma", block_n=64, prefetch=True), "prefetch"),
+     (dict(path="mma", block_n=32), "block_n"), (dict(path="mma", block_n=64, num_stages=2, prefetch=True), "prefetch"),
      (dict(path="mma", block_n=64, block_k=16), "block_k")],
 )
 def test_tile_config_rejects_bad_values(kwargs, match):
