@@ -4,9 +4,9 @@ out[m] = sum_j topk_weights[m, j] * W2[e_j] @ (silu(min(gate, L)) * clamp(up, -L
 [gate, up] = W13[e_j] @ x[m], for every choice j with 0 <= e_j < E (-1 = expert on another rank).
 
 Launch (capture-safe: static shapes, no host syncs):
-1. The M*k (token, choice) pairs are grouped by expert with torch ops (`expert_blocks`); each
-   expert's pairs are cut into blocks of BLOCK_M rows. At most cdiv(M*k, BLOCK_M) + min(E, M*k) blocks exist, so
-   the grid is that static bound and surplus blocks exit at once.
+1. The M*k (token, choice) pairs are grouped by expert (`expert_blocks`, two small Triton kernels);
+   each expert's pairs are cut into blocks of BLOCK_M rows. At most cdiv(M*k, BLOCK_M) + min(E, M*k)
+   blocks exist, so the grid is that static bound and surplus blocks exit at once.
 2. `_gate_up_kernel`: per (block, I tile): x rows @ dequant(W13 gate/up tile)^T, clamped
    SwiGLU -> hidden [M*k, I] in sorted-pair order.
 3. `_down_kernel`: per (block, K tile): hidden rows @ dequant(W2 tile)^T times the routing
@@ -838,59 +838,85 @@ def _down_mma_kernel(
     tl.store(pair_out_ptr + pair[None, :].to(tl.int64) * stride_o + cols[:, None], acc, mask=out_mask)
 
 
-# Up to this many (token, choice) pairs expert_blocks groups them without a sort: a [pairs, E + 1]
-# one-hot matrix (int32, 1.6 MB at M=256 x 6 pairs over 257 buckets) and its cumsum give each
-# pair's rank within its expert. Beyond it (prefill) that matrix grows with M and the sort is the
-# cheaper part of a far longer call.
-ONE_HOT_MAX_PAIRS = 8192
+# expert_blocks in two Triton launches (plus the zeroed counts) instead of a torch.sort and some 30
+# small torch kernels: `_count_pairs_kernel` counts the pairs per expert with atomics, whose returned
+# old counts are each pair's rank within its expert; `_place_pairs_kernel` scans the counts in every
+# program (E + 1 values) and writes each pair's row and the block table. The order within an expert
+# is then the atomics' order; no kernel depends on it (each pair's output is its own column or row of
+# every product, with the same reduction order wherever it sits).
+GROUP_PAIRS = 32  # pairs (and blocks) per program
 
 
-def _group_by_expert(bucket: torch.Tensor, buckets: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """bucket [P] int64 in [0, buckets) -> (order [P] int32: a permutation of 0..P-1 grouping the
-    pairs by bucket in ascending bucket order, each bucket's pairs in index order;
-    counts [buckets] int64)."""
-    pairs = bucket.numel()
-    if pairs == 0 or pairs > ONE_HOT_MAX_PAIRS:
-        order = torch.sort(bucket, stable=True).indices.to(torch.int32)
-        counts = torch.zeros(buckets, dtype=torch.int64, device=bucket.device)
-        return order, counts.scatter_add_(0, bucket, torch.ones_like(bucket))
-    one_hot = bucket[:, None] == torch.arange(buckets, device=bucket.device)
-    running = torch.cumsum(one_hot, 0, dtype=torch.int32)  # [P, buckets]: pairs so far per bucket
-    counts = running[-1].long()
-    rank = running.gather(1, bucket[:, None]).squeeze(1).long() - 1
-    position = torch.cumsum(counts, 0)[bucket] - counts[bucket] + rank
-    order = torch.empty(pairs, dtype=torch.int32, device=bucket.device)
-    order.scatter_(0, position, torch.arange(pairs, dtype=torch.int32, device=bucket.device))
-    return order, counts
+@triton.jit
+def _bucket(ids, E):
+    """Expert ids -> buckets: ids outside [0, E) (other ranks) go to bucket E, past every expert."""
+    return tl.where((ids >= 0) & (ids < E), ids, E)
+
+
+@triton.jit
+def _count_pairs_kernel(ids_ptr, counts_ptr, rank_ptr, P, E, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < P
+    bucket = _bucket(tl.load(ids_ptr + offs, mask=live, other=-1), E)
+    rank = tl.atomic_add(counts_ptr + bucket, 1, mask=live, sem="relaxed")
+    tl.store(rank_ptr + offs, rank, mask=live)
+
+
+@triton.jit
+def _place_pairs_kernel(ids_ptr, counts_ptr, rank_ptr, order_ptr, block_expert_ptr, block_start_ptr, block_end_ptr,
+                        P, NB, E, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    e = tl.arange(0, E_PAD)
+    counts = tl.load(counts_ptr + e, mask=e <= E, other=0)
+    row_start = tl.cumsum(counts, 0) - counts
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < P
+    bucket = _bucket(tl.load(ids_ptr + offs, mask=live, other=-1), E)
+    rank = tl.load(rank_ptr + offs, mask=live, other=0)
+    first_row = tl.sum(tl.where(bucket[:, None] == e[None, :], row_start[None, :], 0), axis=1)
+    tl.store(order_ptr + first_row + rank, offs, mask=live)
+    # Blocks: expert e owns blocks [block_end[e] - blocks[e], block_end[e]); past the last one, E.
+    blocks = tl.where(e < E, (counts + BLOCK_M - 1) // BLOCK_M, 0)
+    block_end = tl.cumsum(blocks, 0)
+    block = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    expert = tl.sum(((block_end[None, :] <= block[:, None]) & (e[None, :] < E)).to(tl.int32), axis=1)
+    own = e[None, :] == expert[:, None]
+    first_block = tl.sum(tl.where(own, block_end - blocks, 0), axis=1)
+    start = tl.sum(tl.where(own, row_start, 0), axis=1)
+    count = tl.sum(tl.where(own, counts, 0), axis=1)
+    real = expert < E
+    in_range = block < NB
+    tl.store(block_expert_ptr + block, expert, mask=in_range)
+    tl.store(block_start_ptr + block, tl.where(real, start + (block - first_block) * BLOCK_M, 0), mask=in_range)
+    tl.store(block_end_ptr + block, tl.where(real, start + count, 0), mask=in_range)
 
 
 def expert_blocks(topk_ids: torch.Tensor, experts: int, block_m: int):
     """Group the (token, choice) pairs by expert into blocks of `block_m` rows, on device, without host
-    syncs (and for up to ONE_HOT_MAX_PAIRS pairs without a sort).
+    syncs or a sort.
 
-    topk_ids [M, k] int32 -> (order [M*k] int32: pair indices grouped by expert in ascending expert
-    order (the kernels do not depend on the order within an expert),
-    block_expert / block_start / block_end [NB] int32: each block's expert (E = empty block) and
-    its row range in `order`), NB = cdiv(M*k, block_m) + min(E, M*k). Ids outside [0, E) are
-    grouped past every expert and never read.
+    topk_ids [M, k] int32 -> (order [M*k] int32: the pair indices grouped by expert in ascending expert
+    order, in no particular order within an expert (see above),
+    block_expert / block_start / block_end [NB] int32: each block's expert (E = empty block, its start
+    and end 0) and its row range in `order`), NB = cdiv(M*k, block_m) + min(E, M*k). Ids outside
+    [0, E) are grouped past every expert and never read.
     """
-    ids = topk_ids.reshape(-1)
+    ids = topk_ids.reshape(-1).contiguous()
     pairs = ids.numel()
     device = ids.device
-    bucket = torch.where((ids >= 0) & (ids < experts), ids, experts).long()
-    order, counts = _group_by_expert(bucket, experts + 1)
-    counts = counts[:experts]
-    blocks = (counts + block_m - 1) // block_m
-    block_end_idx = torch.cumsum(blocks, 0)
-    row_start = torch.cumsum(counts, 0) - counts
     num_blocks = triton.cdiv(pairs, block_m) + min(experts, pairs)
-    block = torch.arange(num_blocks, device=device)
-    block_expert = torch.searchsorted(block_end_idx, block, right=True)
-    owner = block_expert.clamp(max=experts - 1)
-    local = block - (block_end_idx[owner] - blocks[owner])
-    block_start = row_start[owner] + local * block_m
-    block_end = row_start[owner] + counts[owner]
-    return order, block_expert.to(torch.int32), block_start.to(torch.int32), block_end.to(torch.int32)
+    order = torch.empty(pairs, dtype=torch.int32, device=device)
+    block_expert, block_start, block_end = (torch.empty(num_blocks, dtype=torch.int32, device=device)
+                                            for _ in range(3))
+    if pairs == 0:
+        return order, block_expert, block_start, block_end
+    counts = torch.zeros(experts + 1, dtype=torch.int32, device=device)
+    rank = torch.empty(pairs, dtype=torch.int32, device=device)
+    _count_pairs_kernel[(triton.cdiv(pairs, GROUP_PAIRS),)](ids, counts, rank, pairs, experts, BLOCK=GROUP_PAIRS)
+    _place_pairs_kernel[(triton.cdiv(max(pairs, num_blocks), GROUP_PAIRS),)](
+        ids, counts, rank, order, block_expert, block_start, block_end, pairs, num_blocks, experts,
+        BLOCK_M=block_m, E_PAD=triton.next_power_of_2(experts + 1), BLOCK=GROUP_PAIRS, num_warps=8,
+    )
+    return order, block_expert, block_start, block_end
 
 
 def combine_pairs(pair_out: torch.Tensor, topk_ids: torch.Tensor, experts: int, dtype: torch.dtype) -> torch.Tensor:

@@ -117,37 +117,36 @@ def test_blocks_cover_pairs():
 
 
 def _blocks_by_loop(ids: torch.Tensor, experts: int, block_m: int):
-    """expert_blocks' contract in plain Python: valid pairs grouped by ascending expert in index order,
-    then the skipped ones; each expert's rows cut into blocks of block_m, then empty blocks (id E)."""
+    """expert_blocks' contract in plain Python: each expert's pairs (ascending experts), then the skipped
+    ones; each expert's rows cut into blocks of block_m, then empty blocks (id E)."""
     flat = ids.reshape(-1).tolist()
     bucket = [e if 0 <= e < experts else experts for e in flat]
-    order = sorted(range(len(flat)), key=lambda p: (bucket[p], p))
+    groups = [sorted(p for p, b in enumerate(bucket) if b == e) for e in range(experts + 1)]
     blocks, start = [], 0
     for e in range(experts):
-        count = bucket.count(e)
+        count = len(groups[e])
         blocks += [(e, start + b, start + count) for b in range(0, count, block_m)]
         start += count
     num_blocks = -(-len(flat) // block_m) + min(experts, len(flat))
-    blocks += [(experts, None, None)] * (num_blocks - len(blocks))
-    return order, blocks
+    blocks += [(experts, 0, 0)] * (num_blocks - len(blocks))
+    return groups, blocks
 
 
-@pytest.mark.parametrize("one_hot_max", [moe.ONE_HOT_MAX_PAIRS, 0], ids=["one_hot", "sort"])
 @pytest.mark.parametrize("tokens, top_k, experts, block_m", [(1, 1, 1, 1), (5, 3, 4, 2), (64, 6, 32, 8),
-                                                             (33, 6, 256, 1), (0, 6, 8, 8)])
-def test_expert_blocks_match_loop(tokens, top_k, experts, block_m, one_hot_max, monkeypatch):
-    """Both grouping paths (the sort-free one-hot cumsum up to ONE_HOT_MAX_PAIRS pairs, the sort beyond)
-    against the contract in Python, with ids -1 and >= E mixed in."""
-    monkeypatch.setattr(moe, "ONE_HOT_MAX_PAIRS", one_hot_max)
+                                                             (33, 6, 256, 1), (7, 6, 256, 16), (0, 6, 8, 8)])
+def test_expert_blocks_match_loop(tokens, top_k, experts, block_m):
+    """The Triton grouping against the contract in Python, with ids -1 and >= E mixed in: `order` holds
+    each expert's pairs in its row range (in any order within it), then the skipped pairs."""
     gen = torch.Generator().manual_seed(tokens * 131 + experts)
     ids = torch.randint(-1, experts + 2, (tokens, top_k), generator=gen).to(torch.int32)
     order, expert, start, end = moe.expert_blocks(ids, experts, block_m)
-    want_order, want_blocks = _blocks_by_loop(ids, experts, block_m)
-    assert order.dtype == torch.int32 and order.tolist() == want_order
-    assert expert.tolist() == [e for e, _, _ in want_blocks]
-    real = expert < experts
-    assert start[real].tolist() == [s for e, s, _ in want_blocks if e < experts]
-    assert end[real].tolist() == [t for e, _, t in want_blocks if e < experts]
+    groups, want_blocks = _blocks_by_loop(ids, experts, block_m)
+    assert order.dtype == torch.int32 and order.numel() == tokens * top_k
+    row = 0
+    for group in groups:
+        assert sorted(order[row:row + len(group)].tolist()) == group
+        row += len(group)
+    assert [(int(e), int(s), int(t)) for e, s, t in zip(expert, start, end)] == want_blocks
 
 
 def _good():
