@@ -277,28 +277,29 @@ def _dot(block_m, block_n, block_k, warps, stages):
     return moe.TileConfig("dot", block_m, block_n, block_k, num_warps=warps, num_stages=stages)
 
 
-def _mma(block_m, block_n, block_k, warps, stages):
-    return moe.TileConfig("mma", block_m, block_n, block_k, num_warps=warps, num_stages=stages)
+def _mma(block_m, block_n, block_k, warps, stages, prefetch=False):
+    return moe.TileConfig("mma", block_m, block_n, block_k, num_warps=warps, num_stages=stages, prefetch=prefetch)
 
 
 # Candidates per M at V4-Flash sizes (E=256, k=6); the table marks the default (`choose_config`). M=1
-# and 8 share their list (one size class) so they compile once; the dot entries are the pre-GEMV kernel.
-# The prefetch=True entries load the next K step's weights before decoding the current one (see
-# fp4_moe's GEMV path comment). The mma entries are the swap-AB tensor-core path (fp4_moe's MMA path
-# comment); the 1- and 2-warp 512-column ones won the extra sweeps of the third session (more
-# programs in flight per SM), the others are the earlier best. Configs that lost in every earlier
-# sweep were dropped.
-_DECODE = [_gemv(1, 16, 512, 4), _gemv(1, 16, 256, 4), _dot(16, 64, 128, 4, 2),
-           _gemv(1, 16, 512, 4, True), _gemv(1, 32, 512, 8, True),
-           _mma(8, 32, 256, 2, 4), _mma(8, 16, 512, 1, 2), _mma(8, 32, 512, 2, 2)]
+# and 8 share their list (one size class) so they compile once. The mma entries are the swap-AB
+# tensor-core path (fp4_moe's MMA path comment); the current defaults (MXFP4 8x16x512 1 warp at M=64,
+# 8x32x512 2 warps at M=256; NVFP4 8x16x256 1 warp at M=64, 8x16x512 at M=256; GEMV at M=1, 8) run
+# beside 1-warp tiles with more weight rows per warp and a shorter K step (one activation fragment
+# serves BLOCK_N / 16 MMA row tiles: fewer activation bytes through L1 per weight byte, which bound the
+# 16-row tile in the fifth session's ncu profile) and 1-warp tiles without cp.async pipelining
+# (num_stages=1: in the sm_90 build of 8x32x256 and 8x64x128 the weights and activations then load
+# straight into registers, no shared memory at all), with prefetch=True loading the next K step into
+# registers before the current one is decoded. Configs that lost in every earlier sweep were dropped.
+# 40 (config, M, format) rows: some 5 minutes on the H200 with compiles.
+_DECODE = [_gemv(1, 16, 512, 4, True), _mma(8, 32, 256, 1, 2), _mma(8, 32, 256, 1, 1)]
 SWEEP_CANDIDATES = {
     1: _DECODE,
     8: _DECODE,
-    64: [_gemv(1, 16, 512, 4), _gemv(2, 16, 256, 4), _dot(16, 64, 128, 4, 2),
-         _gemv(1, 16, 512, 4, True), _gemv(2, 16, 256, 4, True),
-         _mma(8, 64, 256, 4, 4), _mma(8, 16, 512, 1, 2), _mma(8, 32, 512, 2, 2), _mma(8, 32, 512, 2, 3)],
-    256: [_gemv(4, 16, 512, 4), _dot(16, 64, 128, 4, 2), _dot(16, 128, 128, 8, 3),
-          _mma(16, 64, 128, 2, 3), _mma(16, 16, 512, 1, 2), _mma(8, 16, 512, 1, 2), _mma(8, 32, 512, 2, 2)],
+    64: [_mma(8, 16, 512, 1, 2), _mma(8, 16, 256, 1, 2), _mma(8, 32, 256, 1, 2), _mma(8, 64, 128, 1, 3),
+         _mma(8, 32, 256, 1, 1), _mma(8, 64, 128, 1, 1), _mma(8, 16, 256, 1, 1, True), _mma(8, 32, 128, 1, 1, True)],
+    256: [_mma(8, 32, 512, 2, 2), _mma(8, 16, 512, 1, 2), _mma(8, 16, 256, 1, 2), _mma(8, 32, 256, 1, 2),
+          _mma(8, 32, 256, 1, 1), _mma(8, 16, 256, 1, 1, True)],
 }
 
 
@@ -398,7 +399,8 @@ def main() -> None:
     if args.smoke:
         cfg = dict(E=8, K=64, I=32, k=2, Ms=(1, 4), compile_bytes=1 << 40,
                    candidates={m: [_gemv(1, 16, 64, 4), _gemv(2, 8, 32, 2), _gemv(2, 8, 32, 2, True),
-                                       _dot(16, 32, 32, 4, 1), _mma(8, 16, 32, 1, 1)] for m in (1, 4)})
+                                       _dot(16, 32, 32, 4, 1), _mma(8, 16, 32, 1, 1), _mma(8, 16, 32, 1, 1, True)]
+                               for m in (1, 4)})
         device = "cpu"
         if os.environ.get("TRITON_INTERPRET") != "1":
             raise SystemExit("--smoke runs the kernels under the interpreter: set TRITON_INTERPRET=1")

@@ -4,9 +4,9 @@ out[m] = sum_j topk_weights[m, j] * W2[e_j] @ (silu(min(gate, L)) * clamp(up, -L
 [gate, up] = W13[e_j] @ x[m], for every choice j with 0 <= e_j < E (-1 = expert on another rank).
 
 Launch (capture-safe: static shapes, no host syncs):
-1. The M*k (token, choice) pairs are sorted by expert with torch ops; each expert's pairs are
-   cut into blocks of BLOCK_M rows. At most cdiv(M*k, BLOCK_M) + min(E, M*k) blocks exist, so
-   the grid is that static bound and surplus blocks exit at once.
+1. The M*k (token, choice) pairs are grouped by expert (`expert_blocks`, two small Triton kernels);
+   each expert's pairs are cut into blocks of BLOCK_M rows. At most cdiv(M*k, BLOCK_M) + min(E, M*k)
+   blocks exist, so the grid is that static bound and surplus blocks exit at once.
 2. `_gate_up_kernel`: per (block, I tile): x rows @ dequant(W13 gate/up tile)^T, clamped
    SwiGLU -> hidden [M*k, I] in sorted-pair order.
 3. `_down_kernel`: per (block, K tile): hidden rows @ dequant(W2 tile)^T times the routing
@@ -523,11 +523,11 @@ def _down_gemv_kernel(
 
 # MMA path: the dot path with A and B swapped for expert blocks of a few rows (decode, verify). The
 # BLOCK_N weight rows are the M side of tl.dot and the block's BLOCK_M pair rows its N side, so
-# padding a block of a few pairs to BLOCK_M costs tensor-core work only, and the weights never go
-# through shared memory: each thread loads its packed words as 16-byte vectors (cp.async, pipelined
-# by num_stages), decodes them in registers straight into the MMA's A-operand layout and multiplies
-# by the group scale. In the sm_90 SASS the K loop issues about 6 instructions per weight byte per
-# thread (4.3 of them decoding; the GEMV loop issues about 10). Three choices make that work:
+# padding a block of a few pairs to BLOCK_M costs tensor-core work only. Each thread loads its own
+# packed words as 16-byte vectors (cp.async into shared memory, pipelined by num_stages, and read back
+# by the same thread), decodes them in registers straight into the MMA's A-operand layout and
+# multiplies by the group scale. In the sm_90 SASS the K loop issues about 6 instructions per weight
+# byte per thread (4.3 of them decoding; the GEMV loop issues about 10). Four choices make that work:
 # - e2m1 -> bf16 two codes at a time (`_e2m1_pair_bits`): the masked nibbles times 2**6 + 2**12 put a
 #   code's magnitude at bf16 bits 6..8 and its sign at bit 15 (value * 2**-126; code 0.5 lands on a
 #   bf16 subnormal, exact) in each half of a 32-bit word; one bf16 multiply by scale * 2**62 (packed,
@@ -536,22 +536,25 @@ def _down_gemv_kernel(
 #   other paths stay finite up to 2**113), and the epilogue multiplies by 2**64.
 # - The reduction order inside a BLOCK_K tile is permuted so that the codes a thread holds in the MMA
 #   layout are the codes of its own contiguous words: thread q of a quad holds words
-#   [q * BLOCK_K / 32, (q + 1) * BLOCK_K / 32) of its rows, and the activations are permuted to match
-#   (`mma_operand_order` on the host for x, `_mma_k_position` where the gate/up kernel stores the hidden
-#   rows). KPACK is how many code pairs the MMA layout keeps adjacent per thread: 1 for sm_90's wgmma,
-#   2 for mma.sync (`_mma_kpack`).
+#   [q * BLOCK_K / 32, (q + 1) * BLOCK_K / 32) of its rows. The activations (x, and the hidden rows,
+#   both stored in their natural column order) are loaded in the same order (`_mma_load_act`, `_mma_act_order`): each
+#   thread loads the 8 * BLOCK_K / 32 contiguous values its words meet as 16-byte vectors and permutes
+#   them in registers. (Loading a plain [BLOCK_K, BLOCK_M] tile of a host-permuted x instead went
+#   through an 8-byte-per-thread shared-memory layout change and took 168 registers a thread in the
+#   gate/up kernel at 8x16x512 on 1 warp, against 123 now.) KPACK is how many code pairs the MMA
+#   layout keeps adjacent per thread: 1 for sm_90's wgmma, 2 for mma.sync (`_mma_kpack`).
 # - The words are loaded as [quad lane, row in 8, warp, row half, repeat, word]: Triton's coalescer then
 #   gives the lanes and warps exactly the rows and columns the MMA layout gives them, so the final
-#   convert to the dot operand is a register renaming. The scales come as int32 words of 4 scale bytes
-#   (cp.async needs 4 bytes) from which each thread shifts out its own. A different Triton layout
-#   choice would only cost a layout conversion, never correctness.
-def mma_operand_order(a: torch.Tensor, block_k: int, kpack: int) -> torch.Tensor:
-    """a [R, C] (C % block_k == 0, block_k >= 32) -> its columns in the MMA path's reduction order
-    (see `_mma_k_position`), contiguous."""
-    rows, cols = a.shape
-    tiles = a.reshape(rows, cols // block_k, 4, block_k // 32, 2, 2, 2)  # [r, tile, q, u, a, c, b]
-    order = (0, 1, 3, 5, 6, 2, 4) if kpack == 1 else (0, 1, 3, 5, 2, 6, 4)
-    return tiles.permute(order).reshape(rows, cols)
+#   convert to the dot operand is a register renaming. A different Triton layout choice would only cost
+#   a layout conversion, never correctness.
+# - The scales come as int32 words of 4 scale bytes (cp.async needs 4 bytes); each thread loads the
+#   words holding its own bytes once and shifts them out (loading a word per scale byte read each word
+#   up to 4 times and, for NVFP4, doubled the scale traffic through L1).
+# With num_stages=1 there is no cp.async and, where the per-thread words are one 16-byte vector or
+# fewer per (quad lane, row) pair of tiles, no shared memory at all (sm_90 builds of 8x32x256 and
+# 8x64x128 on 1 warp); TileConfig.prefetch then loads the next K step's activations, words and scale
+# words into registers before decoding the current ones, held at the top of the loop by a barrier as
+# in the GEMV path (see its comment).
 
 
 @functools.lru_cache(maxsize=None)
@@ -575,25 +578,6 @@ def _mma_kpack(x: torch.Tensor, config: TileConfig) -> int:
     if x.is_cuda:
         wgmma = wgmma and torch.cuda.get_device_capability(x.device)[0] == 9
     return 1 if wgmma else 2
-
-
-@triton.jit
-def _mma_k_position(k, BLOCK_K: tl.constexpr, KPACK: tl.constexpr):
-    """Reduction index k -> its position in the MMA path's order: in a BLOCK_K tile, code 2c + b + 4a of
-    word u of quad lane q (k = 8 * (q * BLOCK_K / 32 + u) + 4a + 2c + b) goes to 8 * (4u + 2c + b) + 2q + a
-    (KPACK 1) or 16 * (2u + c) + 4q + 2b + a (KPACK 2)."""
-    U: tl.constexpr = BLOCK_K // 32
-    t = k % BLOCK_K
-    q = t // (8 * U)
-    u = (t // 8) % U
-    a = (t // 4) % 2
-    c = (t // 2) % 2
-    b = t % 2
-    if KPACK == 1:
-        pos = 8 * (4 * u + 2 * c + b) + 2 * q + a
-    else:
-        pos = 16 * (2 * u + c) + 4 * q + 2 * b + a
-    return k - t + pos
 
 
 @triton.jit
@@ -629,16 +613,27 @@ def _scaled_pair(bits, scale, DOT_DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _mma_weight_tile(w_ptr, s_ptr, row0, n_rows, k0, stride_w, stride_s,
-                     IS_MX: tl.constexpr, GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, NUM_WARPS: tl.constexpr, KPACK: tl.constexpr):
-    """Rows [row0, row0 + BLOCK_N) (zero at and past n_rows) x the BLOCK_K tile at k0 of an FP4 matrix
-    (int32 words, int32 scale words) -> [BLOCK_N, BLOCK_K] DOT_DTYPE value * scale * 2**-64 (without the
-    nvfp4 global scale), columns in the MMA path's order."""
+def _mma_scale(s_raw, IS_MX: tl.constexpr):
+    """Scale bytes (int32 0..255) -> f32 scale * 2**62 (see the MMA path comment): as `_block_scale`,
+    with the e4m3 path's 2**8 folded into the same multiply."""
+    if IS_MX:
+        return (s_raw << 23).to(tl.float32, bitcast=True) * 2.0**62
+    bits = ((s_raw & 0x7F) << 7) | ((s_raw & 0x80) << 8)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 2.0**70
+
+
+@triton.jit
+def _mma_load_weights(w_ptr, s_ptr, row0, n_rows, k0, stride_w, stride_s,
+                      GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_WARPS: tl.constexpr):
+    """The packed words and scale words of rows [row0, row0 + BLOCK_N) (zeros at and past n_rows) x the
+    BLOCK_K tile at k0 of an FP4 matrix (int32 words, int32 scale words), as each thread holds them:
+    words [4, 8, NUM_WARPS, 2, REP, U], scale words [4, 8, NUM_WARPS, 2, REP, SWQ] (`_mma_decode_weights`)."""
     U: tl.constexpr = BLOCK_K // 32  # words per quad lane and row
     WPG: tl.constexpr = GROUP // 8  # words per scale group
     REP: tl.constexpr = BLOCK_N // (16 * NUM_WARPS)
     SPQ: tl.constexpr = U // WPG if U >= WPG else 1  # scales per quad lane and row
+    # Each thread loads the scale words holding its SPQ bytes once (SWQ words).
+    SWQ: tl.constexpr = SPQ // 4 if SPQ >= 4 else 1
     q = tl.arange(0, 4)[:, None, None, None, None, None]
     lane_row = tl.arange(0, 8)[None, :, None, None, None, None]
     warp = tl.arange(0, NUM_WARPS)[None, None, :, None, None, None]
@@ -648,9 +643,36 @@ def _mma_weight_tile(w_ptr, s_ptr, row0, n_rows, k0, stride_w, stride_s,
     row_ok = row < n_rows
     u = tl.arange(0, U)[None, None, None, None, None, :]
     words = tl.load(w_ptr + row * stride_w + (k0 // 8 + q * U + u), mask=row_ok, other=0)
-    s_idx = k0 // GROUP + (q * U) // WPG + tl.arange(0, SPQ)[None, None, None, None, None, :]
-    s_word = tl.load(s_ptr + row * stride_s + s_idx // 4, mask=row_ok, other=0)
-    scale = _block_scale((s_word >> (s_idx % 4) * 8) & 0xFF, IS_MX) * 2.0**62
+    first = k0 // GROUP + (q * U) // WPG  # a multiple of 4 where SPQ >= 4; else its bytes share one word
+    j = tl.arange(0, SWQ)[None, None, None, None, None, :]
+    s_words = tl.load(s_ptr + row * stride_s + first // 4 + j, mask=row_ok, other=0)
+    return words, s_words
+
+
+@triton.jit
+def _mma_decode_weights(words, s_words, k0,
+                        IS_MX: tl.constexpr, GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, NUM_WARPS: tl.constexpr, KPACK: tl.constexpr):
+    """`_mma_load_weights`' words and scale words of the tile at k0 -> [BLOCK_N, BLOCK_K] DOT_DTYPE
+    value * scale * 2**-64 (without the nvfp4 global scale), columns in the MMA path's order."""
+    U: tl.constexpr = BLOCK_K // 32
+    WPG: tl.constexpr = GROUP // 8
+    REP: tl.constexpr = BLOCK_N // (16 * NUM_WARPS)
+    SPQ: tl.constexpr = U // WPG if U >= WPG else 1
+    SWQ: tl.constexpr = SPQ // 4 if SPQ >= 4 else 1
+    BPW: tl.constexpr = SPQ // SWQ  # scale bytes used of each scale word
+    q = tl.arange(0, 4)[:, None, None, None, None, None]
+    s_word = s_words >> ((k0 // GROUP + (q * U) // WPG) % 4) * 8
+    # Bytes split with joins (a new register dimension) rather than a broadcast, which Triton would
+    # lay out differently from the words and convert through shared memory.
+    if BPW == 1:
+        s_raw = s_word & 0xFF
+    elif BPW == 2:
+        s_raw = tl.join(s_word & 0xFF, (s_word >> 8) & 0xFF)
+    else:
+        s_raw = tl.join(tl.join(s_word & 0xFF, (s_word >> 16) & 0xFF),
+                        tl.join((s_word >> 8) & 0xFF, (s_word >> 24) & 0xFF))
+    scale = _mma_scale(tl.reshape(s_raw, (4, 8, NUM_WARPS, 2, REP, SPQ)), IS_MX)
     scale = tl.reshape(scale, (4, 8, NUM_WARPS, 2, REP, SPQ, 1, 1))
     w = tl.reshape(words.to(tl.uint32, bitcast=True), (4, 8, NUM_WARPS, 2, REP, SPQ, U // SPQ))
     pairs = tl.join(tl.join(_scaled_pair(_e2m1_pair_bits(w, 0), scale, DOT_DTYPE),
@@ -666,6 +688,33 @@ def _mma_weight_tile(w_ptr, s_ptr, row0, n_rows, k0, stride_w, stride_s,
 
 
 @triton.jit
+def _mma_load_act(a_ptr, a_rows, row_mask, k0, stride_a, BLOCK_K: tl.constexpr):
+    """Activation rows `a_rows` [BLOCK_M] (zeros where not row_mask) x columns [k0, k0 + BLOCK_K) of a
+    row-major matrix, as the threads hold them: [quad lane q, row, word u, 8 values] with column
+    k0 + 8 (q U + u) + v, U = BLOCK_K / 32. The 8 values of a word are one 16-byte vector and Triton's
+    coalescer gives the quad lanes and rows to the lanes as the MMA operand layout does, so each thread
+    loads exactly the activations its own weight words meet."""
+    U: tl.constexpr = BLOCK_K // 32
+    q = tl.arange(0, 4)[:, None, None, None]
+    u = tl.arange(0, U)[None, None, :, None]
+    v = tl.arange(0, 8)[None, None, None, :]
+    offs = a_rows[None, :, None, None].to(tl.int64) * stride_a + (k0 + 8 * (q * U + u) + v)
+    return tl.load(a_ptr + offs, mask=row_mask[None, :, None, None], other=0.0)
+
+
+@triton.jit
+def _mma_act_order(vals, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, KPACK: tl.constexpr):
+    """`_mma_load_act`'s [4, BLOCK_M, U, 8] -> [BLOCK_K, BLOCK_M], the reduction index in the MMA path's
+    order (the order in which `_mma_decode_weights` returns a quad lane's codes); in registers."""
+    vals = tl.reshape(vals, (4, BLOCK_M, BLOCK_K // 32, 2, 2, 2))  # [q, row, u, a, c, b]: v = 4a + 2c + b
+    if KPACK == 1:
+        vals = tl.permute(vals, (2, 4, 5, 0, 3, 1))  # k (u, c, b, q, a)
+    else:
+        vals = tl.permute(vals, (2, 4, 0, 5, 3, 1))  # k (u, c, q, b, a)
+    return tl.reshape(vals, (BLOCK_K, BLOCK_M))
+
+
+@triton.jit
 def _gate_up_mma_kernel(
     x_ptr, order_ptr, block_expert_ptr, block_start_ptr, block_end_ptr,
     w13_ptr, s13_ptr, g13_ptr, hidden_ptr,
@@ -675,9 +724,9 @@ def _gate_up_mma_kernel(
     K: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
     HAS_LIMIT: tl.constexpr, IS_MX: tl.constexpr, GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_WARPS: tl.constexpr, KPACK: tl.constexpr,
+    NUM_WARPS: tl.constexpr, KPACK: tl.constexpr, PREFETCH: tl.constexpr,
 ):
-    """x [M, K] in MMA order, w13 / scales as int32 words -> hidden [M*k, I] in MMA order (sorted pairs)."""
+    """x [M, K], w13 / scales as int32 words -> hidden [M*k, I] (rows in sorted-pair order)."""
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert >= E:
@@ -692,15 +741,35 @@ def _gate_up_mma_kernel(
     s_base = s13_ptr + expert.to(tl.int64) * stride_se
     acc_gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    kk = tl.arange(0, BLOCK_K)
+    u_base, us_base = w_base + I * stride_wn, s_base + I * stride_sn
+    if PREFETCH:
+        x_next = _mma_load_act(x_ptr, token, row_mask, 0, stride_x, BLOCK_K)
+        g_next, gs_next = _mma_load_weights(w_base, s_base, col0, I, 0, stride_wn, stride_sn,
+                                            GROUP, BLOCK_N, BLOCK_K, NUM_WARPS)
+        u_next, us_next = _mma_load_weights(u_base, us_base, col0, I, 0, stride_wn, stride_sn,
+                                            GROUP, BLOCK_N, BLOCK_K, NUM_WARPS)
     for k0 in range(0, K, BLOCK_K):
-        xt = tl.load(x_ptr + token[None, :] * stride_x + (k0 + kk)[:, None], mask=row_mask[None, :], other=0.0)
-        xt = xt.to(DOT_DTYPE)
-        gate_w = _mma_weight_tile(w_base, s_base, col0, I, k0, stride_wn, stride_sn,
-                                  IS_MX, GROUP, DOT_DTYPE, BLOCK_N, BLOCK_K, NUM_WARPS, KPACK)
+        if PREFETCH:  # see the MMA path comment
+            x_raw, g_words, g_scales, u_words, u_scales = x_next, g_next, gs_next, u_next, us_next
+            live = k0 + BLOCK_K < K
+            x_next = _mma_load_act(x_ptr, token, row_mask & live, k0 + BLOCK_K, stride_x, BLOCK_K)
+            g_next, gs_next = _mma_load_weights(w_base, s_base, col0, tl.where(live, I, 0), k0 + BLOCK_K,
+                                                stride_wn, stride_sn, GROUP, BLOCK_N, BLOCK_K, NUM_WARPS)
+            u_next, us_next = _mma_load_weights(u_base, us_base, col0, tl.where(live, I, 0), k0 + BLOCK_K,
+                                                stride_wn, stride_sn, GROUP, BLOCK_N, BLOCK_K, NUM_WARPS)
+            tl.debug_barrier()
+        else:
+            x_raw = _mma_load_act(x_ptr, token, row_mask, k0, stride_x, BLOCK_K)
+            g_words, g_scales = _mma_load_weights(w_base, s_base, col0, I, k0, stride_wn, stride_sn,
+                                                  GROUP, BLOCK_N, BLOCK_K, NUM_WARPS)
+            u_words, u_scales = _mma_load_weights(u_base, us_base, col0, I, k0, stride_wn, stride_sn,
+                                                  GROUP, BLOCK_N, BLOCK_K, NUM_WARPS)
+        xt = _mma_act_order(x_raw, BLOCK_M, BLOCK_K, KPACK).to(DOT_DTYPE)
+        gate_w = _mma_decode_weights(g_words, g_scales, k0, IS_MX, GROUP, DOT_DTYPE, BLOCK_N, BLOCK_K, NUM_WARPS,
+                                     KPACK)
         acc_gate = tl.dot(gate_w, xt, acc_gate, input_precision="ieee")
-        up_w = _mma_weight_tile(w_base + I * stride_wn, s_base + I * stride_sn, col0, I, k0, stride_wn, stride_sn,
-                                IS_MX, GROUP, DOT_DTYPE, BLOCK_N, BLOCK_K, NUM_WARPS, KPACK)
+        up_w = _mma_decode_weights(u_words, u_scales, k0, IS_MX, GROUP, DOT_DTYPE, BLOCK_N, BLOCK_K, NUM_WARPS,
+                                   KPACK)
         acc_up = tl.dot(up_w, xt, acc_up, input_precision="ieee")
     fix = 2.0**64  # the 2**-64 of the decoded weights
     if not IS_MX:
@@ -713,8 +782,7 @@ def _gate_up_mma_kernel(
     act = gate / (1.0 + tl.exp(-gate)) * up
     cols = col0 + tl.arange(0, BLOCK_N)
     out_mask = (cols < I)[:, None] & row_mask[None, :]
-    out_cols = _mma_k_position(cols, BLOCK_K, KPACK)
-    tl.store(hidden_ptr + rows[None, :] * stride_h + out_cols[:, None], act.to(hidden_ptr.dtype.element_ty),
+    tl.store(hidden_ptr + rows[None, :] * stride_h + cols[:, None], act.to(hidden_ptr.dtype.element_ty),
              mask=out_mask)
 
 
@@ -726,9 +794,9 @@ def _down_mma_kernel(
     stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_o,
     K: tl.constexpr, I: tl.constexpr, IS_MX: tl.constexpr, GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_WARPS: tl.constexpr, KPACK: tl.constexpr,
+    NUM_WARPS: tl.constexpr, KPACK: tl.constexpr, PREFETCH: tl.constexpr,
 ):
-    """hidden [M*k, I] in MMA order, w2 / scales as int32 words -> weighted pair outputs [M*k, K] f32."""
+    """hidden [M*k, I], w2 / scales as int32 words -> weighted pair outputs [M*k, K] f32."""
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert >= E:
@@ -741,12 +809,25 @@ def _down_mma_kernel(
     w_base = w2_ptr + expert.to(tl.int64) * stride_we
     s_base = s2_ptr + expert.to(tl.int64) * stride_se
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    kk = tl.arange(0, BLOCK_K)
+    if PREFETCH:
+        h_next = _mma_load_act(hidden_ptr, rows, row_mask, 0, stride_h, BLOCK_K)
+        w_next, s_next = _mma_load_weights(w_base, s_base, col0, K, 0, stride_wn, stride_sn,
+                                           GROUP, BLOCK_N, BLOCK_K, NUM_WARPS)
     for k0 in range(0, I, BLOCK_K):
-        ht = tl.load(hidden_ptr + rows[None, :] * stride_h + (k0 + kk)[:, None], mask=row_mask[None, :], other=0.0)
-        w = _mma_weight_tile(w_base, s_base, col0, K, k0, stride_wn, stride_sn,
-                             IS_MX, GROUP, DOT_DTYPE, BLOCK_N, BLOCK_K, NUM_WARPS, KPACK)
-        acc = tl.dot(w, ht.to(DOT_DTYPE), acc, input_precision="ieee")
+        if PREFETCH:  # see the MMA path comment
+            h_raw, words, scales = h_next, w_next, s_next
+            live = k0 + BLOCK_K < I
+            h_next = _mma_load_act(hidden_ptr, rows, row_mask & live, k0 + BLOCK_K, stride_h, BLOCK_K)
+            w_next, s_next = _mma_load_weights(w_base, s_base, col0, tl.where(live, K, 0), k0 + BLOCK_K,
+                                               stride_wn, stride_sn, GROUP, BLOCK_N, BLOCK_K, NUM_WARPS)
+            tl.debug_barrier()
+        else:
+            h_raw = _mma_load_act(hidden_ptr, rows, row_mask, k0, stride_h, BLOCK_K)
+            words, scales = _mma_load_weights(w_base, s_base, col0, K, k0, stride_wn, stride_sn,
+                                              GROUP, BLOCK_N, BLOCK_K, NUM_WARPS)
+        ht = _mma_act_order(h_raw, BLOCK_M, BLOCK_K, KPACK).to(DOT_DTYPE)
+        w = _mma_decode_weights(words, scales, k0, IS_MX, GROUP, DOT_DTYPE, BLOCK_N, BLOCK_K, NUM_WARPS, KPACK)
+        acc = tl.dot(w, ht, acc, input_precision="ieee")
     pair = tl.load(order_ptr + rows, mask=row_mask, other=0)
     routing = tl.load(weights_ptr + pair, mask=row_mask, other=0.0) * 2.0**64
     if not IS_MX:
@@ -757,33 +838,85 @@ def _down_mma_kernel(
     tl.store(pair_out_ptr + pair[None, :].to(tl.int64) * stride_o + cols[:, None], acc, mask=out_mask)
 
 
-def expert_blocks(topk_ids: torch.Tensor, experts: int, block_m: int):
-    """Group the (token, choice) pairs by expert into blocks of `block_m` rows, on device.
+# expert_blocks in two Triton launches (plus the zeroed counts) instead of a torch.sort and some 30
+# small torch kernels: `_count_pairs_kernel` counts the pairs per expert with atomics, whose returned
+# old counts are each pair's rank within its expert; `_place_pairs_kernel` scans the counts in every
+# program (E + 1 values) and writes each pair's row and the block table. The order within an expert
+# is then the atomics' order; no kernel depends on it (each pair's output is its own column or row of
+# every product, with the same reduction order wherever it sits).
+GROUP_PAIRS = 32  # pairs (and blocks) per program
 
-    topk_ids [M, k] int32 -> (order [M*k] int32: pair indices sorted by expert,
-    block_expert / block_start / block_end [NB] int32: each block's expert (E = empty block) and
-    its row range in `order`), NB = cdiv(M*k, block_m) + min(E, M*k). Ids outside [0, E) are
-    sorted past every expert and never read.
+
+@triton.jit
+def _bucket(ids, E):
+    """Expert ids -> buckets: ids outside [0, E) (other ranks) go to bucket E, past every expert."""
+    return tl.where((ids >= 0) & (ids < E), ids, E)
+
+
+@triton.jit
+def _count_pairs_kernel(ids_ptr, counts_ptr, rank_ptr, P, E, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < P
+    bucket = _bucket(tl.load(ids_ptr + offs, mask=live, other=-1), E)
+    rank = tl.atomic_add(counts_ptr + bucket, 1, mask=live, sem="relaxed")
+    tl.store(rank_ptr + offs, rank, mask=live)
+
+
+@triton.jit
+def _place_pairs_kernel(ids_ptr, counts_ptr, rank_ptr, order_ptr, block_expert_ptr, block_start_ptr, block_end_ptr,
+                        P, NB, E, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    e = tl.arange(0, E_PAD)
+    counts = tl.load(counts_ptr + e, mask=e <= E, other=0)
+    row_start = tl.cumsum(counts, 0) - counts
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < P
+    bucket = _bucket(tl.load(ids_ptr + offs, mask=live, other=-1), E)
+    rank = tl.load(rank_ptr + offs, mask=live, other=0)
+    first_row = tl.sum(tl.where(bucket[:, None] == e[None, :], row_start[None, :], 0), axis=1)
+    tl.store(order_ptr + first_row + rank, offs, mask=live)
+    # Blocks: expert e owns blocks [block_end[e] - blocks[e], block_end[e]); past the last one, E.
+    blocks = tl.where(e < E, (counts + BLOCK_M - 1) // BLOCK_M, 0)
+    block_end = tl.cumsum(blocks, 0)
+    block = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    expert = tl.sum(((block_end[None, :] <= block[:, None]) & (e[None, :] < E)).to(tl.int32), axis=1)
+    own = e[None, :] == expert[:, None]
+    first_block = tl.sum(tl.where(own, block_end - blocks, 0), axis=1)
+    start = tl.sum(tl.where(own, row_start, 0), axis=1)
+    count = tl.sum(tl.where(own, counts, 0), axis=1)
+    real = expert < E
+    in_range = block < NB
+    tl.store(block_expert_ptr + block, expert, mask=in_range)
+    tl.store(block_start_ptr + block, tl.where(real, start + (block - first_block) * BLOCK_M, 0), mask=in_range)
+    tl.store(block_end_ptr + block, tl.where(real, start + count, 0), mask=in_range)
+
+
+def expert_blocks(topk_ids: torch.Tensor, experts: int, block_m: int):
+    """Group the (token, choice) pairs by expert into blocks of `block_m` rows, on device, without host
+    syncs or a sort.
+
+    topk_ids [M, k] int32 -> (order [M*k] int32: the pair indices grouped by expert in ascending expert
+    order, in no particular order within an expert (see above),
+    block_expert / block_start / block_end [NB] int32: each block's expert (E = empty block, its start
+    and end 0) and its row range in `order`), NB = cdiv(M*k, block_m) + min(E, M*k). Ids outside
+    [0, E) are grouped past every expert and never read.
     """
-    ids = topk_ids.reshape(-1)
+    ids = topk_ids.reshape(-1).contiguous()
     pairs = ids.numel()
     device = ids.device
-    bucket = torch.where((ids >= 0) & (ids < experts), ids, experts).long()
-    order = torch.sort(bucket, stable=True).indices.to(torch.int32)
-    counts = torch.zeros(experts + 1, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, bucket, torch.ones_like(bucket))
-    counts = counts[:experts]
-    blocks = (counts + block_m - 1) // block_m
-    block_end_idx = torch.cumsum(blocks, 0)
-    row_start = torch.cumsum(counts, 0) - counts
     num_blocks = triton.cdiv(pairs, block_m) + min(experts, pairs)
-    block = torch.arange(num_blocks, device=device)
-    block_expert = torch.searchsorted(block_end_idx, block, right=True)
-    owner = block_expert.clamp(max=experts - 1)
-    local = block - (block_end_idx[owner] - blocks[owner])
-    block_start = row_start[owner] + local * block_m
-    block_end = row_start[owner] + counts[owner]
-    return order, block_expert.to(torch.int32), block_start.to(torch.int32), block_end.to(torch.int32)
+    order = torch.empty(pairs, dtype=torch.int32, device=device)
+    block_expert, block_start, block_end = (torch.empty(num_blocks, dtype=torch.int32, device=device)
+                                            for _ in range(3))
+    if pairs == 0:
+        return order, block_expert, block_start, block_end
+    counts = torch.zeros(experts + 1, dtype=torch.int32, device=device)
+    rank = torch.empty(pairs, dtype=torch.int32, device=device)
+    _count_pairs_kernel[(triton.cdiv(pairs, GROUP_PAIRS),)](ids, counts, rank, pairs, experts, BLOCK=GROUP_PAIRS)
+    _place_pairs_kernel[(triton.cdiv(max(pairs, num_blocks), GROUP_PAIRS),)](
+        ids, counts, rank, order, block_expert, block_start, block_end, pairs, num_blocks, experts,
+        BLOCK_M=block_m, E_PAD=triton.next_power_of_2(experts + 1), BLOCK=GROUP_PAIRS, num_warps=8,
+    )
+    return order, block_expert, block_start, block_end
 
 
 def combine_pairs(pair_out: torch.Tensor, topk_ids: torch.Tensor, experts: int, dtype: torch.dtype) -> torch.Tensor:
@@ -807,8 +940,9 @@ class TileConfig:
     (tl.dot with the weight rows as the M side, see the MMA path comment; block_n a multiple of
     16 * num_warps, block_k >= 32, K and I multiples of 32).
     block_m: pair rows per expert block; block_n: output columns per program; block_k: reduction
-    columns per loop step (clamped to what divides K and I, see `_fit_block_k`); prefetch (GEMV path
-    only): load the next K step's weights before decoding the current one (see the GEMV path comment).
+    columns per loop step (clamped to what divides K and I, see `_fit_block_k`); prefetch (GEMV path, and
+    mma path with num_stages=1): load the next K step's weights before decoding the current one (see the
+    GEMV path and MMA path comments).
     """
 
     path: str
@@ -834,8 +968,9 @@ class TileConfig:
         if self.path == "mma" and self.block_n % (16 * self.num_warps):
             raise ValueError(f"TileConfig.block_n must be a multiple of 16 * num_warps = {16 * self.num_warps} "
                              f"for the mma path, got {self.block_n}")
-        if self.prefetch and self.path != "gemv":
-            raise ValueError("TileConfig.prefetch applies to the gemv path only (the others use num_stages)")
+        if self.prefetch and not (self.path == "gemv" or (self.path == "mma" and self.num_stages == 1)):
+            raise ValueError("TileConfig.prefetch applies to the gemv path and to the mma path with num_stages=1 "
+                             "(the others pipeline with num_stages)")
 
 
 # The path by average pairs per expert (M*k / E; a static shape fact, so the choice is
@@ -848,8 +983,9 @@ class TileConfig:
 # dot; M=256 (verify, 6 per expert) 1.92 ms with the 2-warp tile vs 2.06 16-row 1-warp, 3.29 dot
 # and 6.75 GEMV. NVFP4 takes the 1-warp tile at any of these sizes (its e4m3 scales make the
 # 2-warp tile slower: M=64 1.91 ms 1-warp vs 2.74 2-warp and 2.49 GEMV; M=256 2.73 vs 3.98 and
-# 3.11 dot). At 1 pair per expert GEMV stays (M=8 MXFP4: 0.370 vs 0.378 ms 1-warp mma). Beyond 16
-# pairs per expert (prefill) both formats take 64-row dot blocks. Where FP4 tensor cores exist
+# 3.11 dot), at M=64 with 256 reduction columns per step ("mma1w_nv": 1.70 ms vs 1.91 with 512).
+# At 1 pair per expert GEMV stays (M=8 MXFP4: 0.370 vs 0.378 ms 1-warp mma). Beyond 16 pairs per
+# expert (prefill) both formats take 64-row dot blocks. Where FP4 tensor cores exist
 # (sm_100+) MXFP4 keeps GEMV up to GEMV_MAX_ROWS and the dot path above, which uses tl.dot_scaled
 # there. Prefetching (see the GEMV path comment) changed the one-row GEMV by -5% to
 # +1%: that loop is bound by its instructions per weight byte, not by load latency. The mma path's
@@ -861,6 +997,7 @@ DENSE_MIN_ROWS = 17
 DEFAULT_CONFIGS = {
     "gemv": TileConfig("gemv", 1, 16, 512, num_warps=4, prefetch=True),
     "mma1w": TileConfig("mma", 8, 16, 512, num_warps=1, num_stages=2),
+    "mma1w_nv": TileConfig("mma", 8, 16, 256, num_warps=1, num_stages=2),
     "mma2w": TileConfig("mma", 8, 32, 512, num_warps=2, num_stages=2),
     "dot16": TileConfig("dot", 16, 64, 128, num_warps=4, num_stages=2),
     "dot64": TileConfig("dot", 64, 64, 128, num_warps=4, num_stages=2),
@@ -878,7 +1015,9 @@ def size_class(pairs: int, experts: int, fmt: str, native_fp4: bool = False, mma
         return "gemv" if average <= GEMV_MAX_ROWS else "dot16"
     if average == 1:
         return "gemv"
-    return "mma2w" if fmt == "mxfp4" and average > MMA_1W_MAX_ROWS else "mma1w"
+    if fmt == "nvfp4":
+        return "mma1w_nv" if average <= MMA_1W_MAX_ROWS else "mma1w"
+    return "mma2w" if average > MMA_1W_MAX_ROWS else "mma1w"
 
 
 def choose_config(pairs: int, experts: int, fmt: str, native_fp4: bool = False,
@@ -960,8 +1099,8 @@ def fp4_moe_pairs_triton(
     elif config.path == "mma":
         gate_up, down = _gate_up_mma_kernel, _down_mma_kernel
         kpack = _mma_kpack(x, config)
-        common.update(DOT_DTYPE=dot_dtype, NUM_WARPS=config.num_warps, KPACK=kpack)
-        x, w13, w2 = mma_operand_order(x, block_k, kpack), _as_words(w13), _as_words(w2)
+        common.update(DOT_DTYPE=dot_dtype, NUM_WARPS=config.num_warps, KPACK=kpack, PREFETCH=config.prefetch)
+        w13, w2 = _as_words(w13), _as_words(w2)
         s13, s2 = _scale_words(s13), _scale_words(s2)
     else:
         gate_up, down = _gate_up_kernel, _down_kernel

@@ -116,6 +116,39 @@ def test_blocks_cover_pairs():
         assert all(int(ids.reshape(-1)[order[r]]) == e for r in rs)
 
 
+def _blocks_by_loop(ids: torch.Tensor, experts: int, block_m: int):
+    """expert_blocks' contract in plain Python: each expert's pairs (ascending experts), then the skipped
+    ones; each expert's rows cut into blocks of block_m, then empty blocks (id E)."""
+    flat = ids.reshape(-1).tolist()
+    bucket = [e if 0 <= e < experts else experts for e in flat]
+    groups = [sorted(p for p, b in enumerate(bucket) if b == e) for e in range(experts + 1)]
+    blocks, start = [], 0
+    for e in range(experts):
+        count = len(groups[e])
+        blocks += [(e, start + b, start + count) for b in range(0, count, block_m)]
+        start += count
+    num_blocks = -(-len(flat) // block_m) + min(experts, len(flat))
+    blocks += [(experts, 0, 0)] * (num_blocks - len(blocks))
+    return groups, blocks
+
+
+@pytest.mark.parametrize("tokens, top_k, experts, block_m", [(1, 1, 1, 1), (5, 3, 4, 2), (64, 6, 32, 8),
+                                                             (33, 6, 256, 1), (7, 6, 256, 16), (0, 6, 8, 8)])
+def test_expert_blocks_match_loop(tokens, top_k, experts, block_m):
+    """The Triton grouping against the contract in Python, with ids -1 and >= E mixed in: `order` holds
+    each expert's pairs in its row range (in any order within it), then the skipped pairs."""
+    gen = torch.Generator().manual_seed(tokens * 131 + experts)
+    ids = torch.randint(-1, experts + 2, (tokens, top_k), generator=gen).to(torch.int32)
+    order, expert, start, end = moe.expert_blocks(ids, experts, block_m)
+    groups, want_blocks = _blocks_by_loop(ids, experts, block_m)
+    assert order.dtype == torch.int32 and order.numel() == tokens * top_k
+    row = 0
+    for group in groups:
+        assert sorted(order[row:row + len(group)].tolist()) == group
+        row += len(group)
+    assert [(int(e), int(s), int(t)) for e, s, t in zip(expert, start, end)] == want_blocks
+
+
 def _good():
     w = make_experts("nvfp4", 2, 64, 32, seed=0)
     ids, weights = make_routing(3, 2, 2, "random", seed=0)
@@ -178,8 +211,11 @@ def test_fake_and_compile():
     "path_config",
     [moe.TileConfig("gemv", 2, 32, 64), moe.TileConfig("dot", 16, 32, 64),
      moe.TileConfig("gemv", 2, 32, 32, prefetch=True), moe.TileConfig("gemv", 1, 16, 64, prefetch=True),
-     moe.TileConfig("mma", 16, 128, 64, num_stages=3), moe.TileConfig("mma", 8, 32, 128, num_warps=2)],
-    ids=["gemv", "dot", "gemv_prefetch", "gemv_prefetch_one_down_step", "mma_wgmma_order", "mma_sync_order"],
+     moe.TileConfig("mma", 16, 128, 64, num_stages=3), moe.TileConfig("mma", 8, 32, 128, num_warps=2),
+     moe.TileConfig("mma", 8, 32, 32, num_warps=1, prefetch=True),
+     moe.TileConfig("mma", 8, 16, 64, num_warps=1, prefetch=True)],
+    ids=["gemv", "dot", "gemv_prefetch", "gemv_prefetch_one_down_step", "mma_wgmma_order", "mma_sync_order",
+         "mma_prefetch", "mma_prefetch_one_down_step"],
 )
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 def test_each_path_matches_reference(path_config, fmt):
@@ -187,7 +223,8 @@ def test_each_path_matches_reference(path_config, fmt):
     (skewed), empty experts, swiglu_limit; poisoned outputs; K and I that span several K steps (the
     prefetching GEMV loop also with a single step over I = BLOCK_K, where it only loads past the end,
     masked; the mma path with two row repeats per warp and rows past the last weight row (BLOCK_N =
-    128 > I), and with one K step of two words per lane over I)."""
+    128 > I), and with one K step of two words per lane over I; the prefetching mma loop with several
+    K steps and with one, only loading past the end)."""
     experts, hidden, inter, tokens, top_k = 8, 128, 64, 7, 3
     w = make_experts(fmt, experts, hidden, inter, seed=11)
     ids, weights = make_routing(tokens, top_k, experts, "skewed", seed=11)
@@ -201,12 +238,13 @@ def test_each_path_matches_reference(path_config, fmt):
     assert_close_scaled(moe.combine_pairs(pairs, ids, experts, x.dtype), want, torch.float32)
 
 
-@pytest.mark.parametrize("name", ["mma1w", "mma2w"])
+@pytest.mark.parametrize("name", ["mma1w", "mma1w_nv", "mma2w"])
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 def test_mma_several_scale_groups_per_lane(fmt, name):
-    """The default mma tiles with their BLOCK_K = 512 (the other tests' K and I fit BLOCK_K to at most
-    64, one scale group per quad lane): each quad lane's words span several scale groups."""
-    experts, hidden, inter, tokens, top_k = 3, 512, 512, 5, 2
+    """The default mma tiles with their BLOCK_K = 256 or 512 (the other tests' K and I fit BLOCK_K to at
+    most 128): each quad lane's words span several scale groups, held in one or two scale words."""
+    experts, tokens, top_k = 3, 5, 2
+    hidden = inter = moe.DEFAULT_CONFIGS[name].block_k
     w = make_experts(fmt, experts, hidden, inter, seed=21)
     ids, weights = make_routing(tokens, top_k, experts, "random", seed=21)
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(22))
@@ -237,15 +275,15 @@ def test_all_tokens_on_one_expert(config):
 @pytest.mark.parametrize(
     "tokens, mxfp4, nvfp4, mxfp4_native",
     [(1, "gemv", "gemv", "gemv"), (8, "gemv", "gemv", "gemv"), (42, "gemv", "gemv", "gemv"),
-     (43, "mma1w", "mma1w", "gemv"), (64, "mma1w", "mma1w", "gemv"), (85, "mma1w", "mma1w", "gemv"),
-     (86, "mma1w", "mma1w", "dot16"), (170, "mma1w", "mma1w", "dot16"), (171, "mma2w", "mma1w", "dot16"),
+     (43, "mma1w", "mma1w_nv", "gemv"), (64, "mma1w", "mma1w_nv", "gemv"), (85, "mma1w", "mma1w_nv", "gemv"),
+     (86, "mma1w", "mma1w_nv", "dot16"), (170, "mma1w", "mma1w_nv", "dot16"), (171, "mma2w", "mma1w", "dot16"),
      (256, "mma2w", "mma1w", "dot16"), (682, "mma2w", "mma1w", "dot16"), (683, "dot64", "dot64", "dot64"),
      (4096, "dot64", "dot64", "dot64")],
 )
 def test_size_class_rule(tokens, mxfp4, nvfp4, mxfp4_native):
     """V4-Flash (E=256, k=6): one pair per expert takes one-row GEMV blocks; decode (M=64) and
     verify (M=256) take the mma path (MXFP4: 1 warp up to 4 pairs per expert, then 2; NVFP4: 1
-    warp), except MXFP4 on GPUs with FP4 tensor cores (GEMV up to 2 pairs, then tl.dot_scaled);
+    warp, 256 reduction columns per step up to 4 pairs per expert, then 512), except MXFP4 on GPUs with FP4 tensor cores (GEMV up to 2 pairs, then tl.dot_scaled);
     prefill takes 64-row dot blocks. NVFP4 never uses tl.dot_scaled, so `native` leaves it alone."""
     pairs, experts = tokens * 6, 256
     cases = (("mxfp4", False, mxfp4), ("nvfp4", False, nvfp4), ("mxfp4", True, mxfp4_native),
@@ -261,7 +299,7 @@ def test_size_class_rule(tokens, mxfp4, nvfp4, mxfp4_native):
     "kwargs, match",
     [(dict(path="tiles"), "path"), (dict(block_n=24), "block_n"), (dict(block_k=0), "block_k"),
      (dict(path="dot", block_m=8), "block_m"), (dict(path="dot", block_m=16, prefetch=True), "prefetch"),
-     (dict(path="mma", block_n=32), "block_n"), (dict(path="mma", block_n=64, prefetch=True), "prefetch"),
+     (dict(path="mma", block_n=32), "block_n"), (dict(path="mma", block_n=64, num_stages=2, prefetch=True), "prefetch"),
      (dict(path="mma", block_n=64, block_k=16), "block_k")],
 )
 def test_tile_config_rejects_bad_values(kwargs, match):
@@ -289,26 +327,6 @@ def test_word_views(caplog):
     assert "padded" in caplog.text
 
 
-@pytest.mark.parametrize("kpack", [1, 2])
-def test_mma_operand_order(kpack):
-    """The host permutation of x is the kernels' reduction order (`_mma_k_position`, here in torch):
-    in each BLOCK_K tile, code 2c + b + 4a of word u of quad lane q goes to 8 * (4u + 2c + b) + 2q + a
-    (KPACK 1) or 16 * (2u + c) + 4q + 2b + a (KPACK 2)."""
-    block_k = 128
-    a = torch.arange(2 * 256.0).reshape(2, 256)
-    got = moe.mma_operand_order(a, block_k, kpack)
-    k = torch.arange(256)
-    t = k % block_k
-    q, u, hi, c, b = t // 32, (t // 8) % 4, (t // 4) % 2, (t // 2) % 2, t % 2
-    if kpack == 1:
-        pos = 8 * (4 * u + 2 * c + b) + 2 * q + hi
-    else:
-        pos = 16 * (2 * u + c) + 4 * q + 2 * b + hi
-    want = torch.empty_like(a)
-    want[:, k - t + pos] = a
-    assert torch.equal(got, want)
-
-
 def test_mma_path_needs_multiples_of_32():
     w = make_experts("nvfp4", 2, 48, 32, seed=15)
     ids, weights = make_routing(3, 2, 2, "random", seed=15)
@@ -321,10 +339,11 @@ def test_nvfp4_default_config_with_k_and_i_odd_multiples_of_16():
     """NVFP4 allows K and I multiples of 16; where they are not multiples of 32 the default launch
     avoids the mma path (which needs 32) at every size class, through the op."""
     w = make_experts("nvfp4", 2, 48, 48, seed=31)
-    for tokens in (3, 9):  # 3 and 9 pairs per expert: the mma size classes at K, I multiples of 32
+    # 3 and 9 pairs per expert: the two NVFP4 mma size classes at K, I multiples of 32
+    for tokens, mma_class in ((3, "mma1w_nv"), (9, "mma1w")):
         ids, weights = make_routing(tokens, 2, 2, "random", seed=31 + tokens)
         x = torch.randn(tokens, 48, generator=torch.Generator().manual_seed(tokens))
-        assert moe.size_class(tokens * 2, 2, "nvfp4") == "mma1w"
+        assert moe.size_class(tokens * 2, 2, "nvfp4") == mma_class
         got = torch.ops.dsv4.fp4_moe(*_args(x, ids, weights, w, None))
         assert_close_scaled(got, moe.fp4_moe_reference(*_args(x, ids, weights, w, None)), torch.float32)
 
