@@ -12,10 +12,11 @@ halves over two programs (each recomputes QK over all dims; the second gather hi
 f32 accumulator is [64, 256]. Each token walks its own index list, so CSA verify tokens with
 different top-k lists cost no extra dots; the T tokens of a request run in adjacent programs, so
 rows they share come from L2. The tile loop stops after the token's last selected position
-(HCA lists have -1 tails). For small grids the index positions are split across programs
-(split-K): each split writes its normalised partial output and log-sum-exp
-(`dsv4::sparse_mla_partials`, whose reference is the spec of the split), and a combine kernel
-merges them and adds the sink.
+(HCA lists have -1 tails) and carries the next tile's indices, so Triton's pipeliner keeps
+num_stages - 1 gathers in flight (an optional L2 prefetch hint reaches further ahead). For small
+grids the index positions are split across programs (split-K): each split writes its normalised
+partial output and log-sum-exp (`dsv4::sparse_mla_partials`, whose reference is the spec of the
+split), and a combine kernel merges them and adds the sink.
 
 Out-of-range indices (idx < 0 or idx >= number of rows of the pool) are treated as skip by both
 the kernel and the reference: they are never read, and no host sync is needed to validate them.
@@ -556,24 +557,34 @@ def split_count(programs: int, num_idx_total: int, device: torch.device, num_spl
     return max(1, min(num_splits, num_tiles))
 
 
+# pick_config's tiles per row format: (h_block, block_dv (0: all columns), block_n, num_warps,
+# num_stages, prefetch, max_splits (0: the split-K heuristic uncapped)), as in the bench's SWEEP_CONFIGS.
+DEFAULT_TILES = {
+    "bf16": (16, 0, 32, 4, 2, 0, 0),
+    "fp8": (16, 0, 32, 8, 1, 0, 0),
+}
+
+
 def pick_config(batch: int, tokens: int, heads: int, head_dim: int, num_idx_total: int,
                 device: torch.device, num_splits: int | None = None, fp8_rows: bool = False) -> LaunchConfig:
-    """The launch config for these shapes: 16 heads of one token a program, all value columns.
+    """The launch config for these shapes: DEFAULT_TILES of the row format (16 heads of one token a
+    program, all value columns).
 
-    H200 sweep at B=64, H=64, Dh 512 (bench/bench_sparse_mla.py --sweep, bench/RESULTS.md): with
+    H200 sweep at B=64, H=64, Dh 512 (bench/bench_sparse_mla.py --sweep, bench/RESULTS.md; run
+    before the tile loop carried the next tile's indices, i.e. with one gather in flight): with
     bf16 rows, 16 heads x 512 columns, 4 warps, 2 stages (50,304 B of shared memory on sm_90 and
-    sm_120) beat 64 heads with the value columns split over two programs (the widest MQA tile
+    sm_120; 50,432 B now) beat 64 heads with the value columns split over two programs (the widest MQA tile
     reuse) by 1.3-1.6x (CSA T=1: 63.6 vs 99.1 us). FP8 rows: 8 warps, 1 stage (81,920 B): the
     in-register dequantisation spills with more heads or stages. Small grids split the index
     positions (split-K) so that about two programs run per SM.
     """
+    h_block, block_dv, block_n, num_warps, num_stages, prefetch, max_splits = DEFAULT_TILES[
+        "fp8" if fp8_rows else "bf16"]
     block_d = triton.next_power_of_2(head_dim)
-    h_block = 16  # the smallest tl.dot M
-    programs = batch * tokens * triton.cdiv(heads, h_block)
-    num_splits = split_count(programs, num_idx_total, device, num_splits)
-    if fp8_rows:
-        return LaunchConfig(h_block, block_d, SPLIT_TILE, num_splits, num_warps=8, num_stages=1)
-    return LaunchConfig(h_block, block_d, SPLIT_TILE, num_splits, num_warps=4, num_stages=2)
+    block_dv = min(block_dv or block_d, block_d)
+    programs = batch * tokens * triton.cdiv(heads, h_block) * (block_d // block_dv)
+    num_splits = split_count(programs, num_idx_total, device, num_splits, max_splits or None)
+    return LaunchConfig(h_block, block_dv, block_n, num_splits, num_warps, num_stages, prefetch)
 
 
 def _pool_args(rows: torch.Tensor, scales: torch.Tensor | None, layout: _Layout):

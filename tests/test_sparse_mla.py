@@ -20,6 +20,7 @@ from dsv4_compile.kernels.sparse_mla import (
     sparse_mla_partials_reference,
     sparse_mla_reference,
     sparse_mla_triton,
+    split_count,
 )
 
 TOL = {torch.bfloat16: dict(atol=2e-2, rtol=1e-2), torch.float32: dict(atol=1e-4, rtol=1e-4)}
@@ -319,6 +320,17 @@ def test_pick_config_at_real_size(fp8_rows, want):
     cfg = pick_config(64, 1, 64, 512, 640, torch.device("cpu"), fp8_rows=fp8_rows)
     assert (cfg.h_block, cfg.block_dv, cfg.num_warps, cfg.num_stages) == want
     assert cfg.num_splits >= 1 and cfg.block_n == 32
+
+
+def test_split_count_heuristic_and_cap():
+    """CPU counts 4 SMs: one program gets about two a SM (8 splits of 20 tiles), max_splits caps the
+    heuristic only, a forced count is kept (up to the tile count), big grids never split."""
+    cpu = torch.device("cpu")
+    assert split_count(1, 640, cpu) == 8
+    assert split_count(1, 640, cpu, max_splits=2) == 2
+    assert split_count(1, 640, cpu, num_splits=5, max_splits=2) == 5
+    assert split_count(1, 40, cpu, num_splits=5) == 2
+    assert split_count(64, 640, cpu, max_splits=2) == 1
 
 
 _CROSS_COMPILE = """
