@@ -3,7 +3,7 @@
     pip install --no-deps --no-build-isolation -e .       # once, so dsv4_compile.kernels imports
     python bench/bench_sparse_mla.py --out DIR            # H200: real sizes, about 3 minutes
     python bench/bench_sparse_mla.py --out DIR --smoke    # CPU: tiny sizes, TRITON_INTERPRET=1
-    python bench/bench_sparse_mla.py --out DIR --sweep    # H200: the candidate tile configs, < 3 minutes
+    python bench/bench_sparse_mla.py --out DIR --sweep    # H200: the candidate tile configs, about 4 minutes
 
 For each case: correctness first (kernel vs reference at that size, random data), then the median
 time of the eager reference, torch.compile(reference) and the Triton kernel, each replayed from a
