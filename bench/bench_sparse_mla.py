@@ -3,7 +3,7 @@
     pip install --no-deps --no-build-isolation -e .       # once, so dsv4_compile.kernels imports
     python bench/bench_sparse_mla.py --out DIR            # H200: real sizes, about 3 minutes
     python bench/bench_sparse_mla.py --out DIR --smoke    # CPU: tiny sizes, TRITON_INTERPRET=1
-    python bench/bench_sparse_mla.py --out DIR --sweep    # H200: the candidate tile configs, < 3 minutes
+    python bench/bench_sparse_mla.py --out DIR --sweep    # H200: the candidate tile configs, about 4 minutes
 
 For each case: correctness first (kernel vs reference at that size, random data), then the median
 time of the eager reference, torch.compile(reference) and the Triton kernel, each replayed from a
@@ -207,13 +207,12 @@ def _signature_type(value) -> str:
     raise TypeError(type(value))
 
 
-def compiled_stats(launch, capability: int) -> dict:
-    """Cross-compiles one launch for sm_<capability> (no GPU needed) as a CUDA launch would run it.
+def cross_compile(launch, capability: int):
+    """Compiles one launch for sm_<capability> (no GPU needed) as a CUDA launch would run it.
 
-    Returns shared memory (bytes, Triton's metadata) and registers / spill bytes a thread (ptxas -v
-    on the kernel's PTX). Launches planned on CPU carry the interpreter's f32 dots; they are
-    compiled with the GPU's bf16 operands. Integer arguments equal to 1 become constexprs and
-    pointers / multiples of 16 get Triton's divisibility hint, as the JIT specialises them.
+    Launches planned on CPU carry the interpreter's f32 dots; they are compiled with the GPU's bf16
+    operands. Integer arguments equal to 1 become constexprs and pointers / multiples of 16 get
+    Triton's divisibility hint, as the JIT specialises them. Run without TRITON_INTERPRET.
     """
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -232,8 +231,14 @@ def compiled_stats(launch, capability: int) -> dict:
         if isinstance(value, torch.Tensor) or (isinstance(value, int) and value % 16 == 0):
             attrs[(i,)] = [["tt.divisibility", 16]]
     signature.update({n: "constexpr" for n in meta})
-    compiled = triton.compile(ASTSource(fn=launch.kernel, signature=signature, constexprs=meta, attrs=attrs),
-                              target=GPUTarget("cuda", capability, 32), options=options)
+    return triton.compile(ASTSource(fn=launch.kernel, signature=signature, constexprs=meta, attrs=attrs),
+                          target=GPUTarget("cuda", capability, 32), options=options)
+
+
+def compiled_stats(launch, capability: int) -> dict:
+    """Cross-compiles one launch for sm_<capability> (`cross_compile`); returns shared memory (bytes,
+    Triton's metadata) and registers / spill bytes a thread (ptxas -v on the kernel's PTX)."""
+    compiled = cross_compile(launch, capability)
     stats = {"shared": int(compiled.metadata.shared)}
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / (
         "ptxas-blackwell" if capability >= 100 else "ptxas")
@@ -291,7 +296,7 @@ def run_case(case: Case, device, smoke: bool, sm120: dict) -> Result:
     out = torch.empty_like(args[0])
     launches = sm.plan_sparse_mla(*args, out=out)
     fwd = launches[0]
-    res.config = {k: fwd.meta[k] for k in ("H_BLOCK", "BLOCK_DV", "BLOCK_N", "num_warps", "num_stages")}
+    res.config = {k: fwd.meta[k] for k in ("H_BLOCK", "BLOCK_DV", "BLOCK_N", "num_warps", "num_stages", "PREFETCH")}
     res.config.update(num_splits=fwd.grid[1], grid=list(fwd.grid))
     # the configs run here, cross-compiled for sm_120 after the timings (check_sm120)
     for launch in launches:
@@ -353,13 +358,22 @@ def markdown(results: list[Result], summary: dict, shared: dict, local: dict) ->
     return "\n".join(lines)
 
 
-# (rows, h_block, block_dv, block_n, num_warps, num_stages): the defaults of pick_config (bf16: 2
-# stages where the GPU offers >= 163,968 B of shared memory, as sm_90 does, else 1; FP8: 16 heads)
-# and neighbours; bf16 h64/st2 and h64/dv128 exceed sm_120's 101,376 B, FP8 h64 spills.
+# (rows, h_block, block_dv, block_n, num_warps, num_stages, prefetch, max_splits): pick_config's
+# defaults (sm.DEFAULT_TILES; copy a winning row there) first: bf16 16 heads x 512 columns, 4 warps,
+# 2 stages; FP8 8 warps, 1 stage. Then candidates. The tile loop carries the next tile's indices, so
+# num_stages - 1 gathers are in flight (cross-compiled: 2 stages on mma.sync keep one buffer, 3 two,
+# 4 three). sm_90 regs / sm_120 shared: 16x512 n16 w4 156 regs (3 blocks an SM), st3 49,920 B, st4
+# 66,432 B; n16 w8 112 regs (2 blocks); h64 x 512 runs all heads of a token per program on wgmma (no
+# 4x L2 re-reads of a row; wgmma keeps 2 buffers at st2: 253 regs, 1 block an SM, 84,096 B on sm_120),
+# max_splits 2 keeps its T=1 grid at one wave of 128 programs; h64 x 256 st2 193 regs, 92,352 B
+# (unsplit: 128 programs). prefetch = tiles of rows hinted into L2 ahead of the gather (0: none).
+# FP8 n16 st3: 98,688 B (its rope tile is a masked 16 x 512 bf16 load).
 SWEEP_CONFIGS = [
-    ("bf16", 64, 256, 32, 8, 2), ("bf16", 64, 256, 32, 8, 1), ("bf16", 64, 128, 32, 8, 2),
-    ("bf16", 32, 512, 32, 8, 2), ("bf16", 16, 512, 32, 4, 2),
-    ("fp8", 16, 512, 32, 8, 1), ("fp8", 16, 512, 16, 8, 2), ("fp8", 64, 256, 32, 8, 1),
+    ("bf16", 16, 512, 32, 4, 2, 0, 0), ("bf16", 16, 512, 32, 4, 3, 0, 0),
+    ("bf16", 16, 512, 16, 4, 3, 0, 0), ("bf16", 16, 512, 16, 4, 4, 0, 0),
+    ("bf16", 16, 512, 16, 8, 3, 0, 0), ("bf16", 16, 512, 16, 8, 4, 0, 0), ("bf16", 16, 512, 16, 8, 4, 4, 0),
+    ("bf16", 64, 512, 16, 8, 2, 0, 2), ("bf16", 64, 256, 16, 8, 2, 0, 1),
+    ("fp8", 16, 512, 32, 8, 1, 0, 0), ("fp8", 16, 512, 16, 8, 3, 0, 0),
 ]
 
 
@@ -369,20 +383,20 @@ def sweep(device, out_dir: Path, smoke: bool) -> int:
     with time, floor fraction, this GPU's registers / spills / shared memory and sm_120's shared
     memory (cross-compiled). Returns 2 when a config disagrees with the reference. smoke: B=1 and
     short lists in the interpreter (wall-clock times; no local registers)."""
-    lines = ["| rows | layer | T | config (h, dv, n, warps, stages, splits) | us | floor us | floor frac | "
-             "regs | spill B | shared B | sm_120 shared B | sm_120 regs / spill B | max err |",
+    lines = ["| rows | layer | T | config (h, dv, n, warps, stages, prefetch, splits) | us | floor us | "
+             "floor frac | regs | spill B | shared B | sm_120 shared B | sm_120 regs / spill B | max err |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     failed, start = False, time.perf_counter()
     sm120: dict = {}
-    for fmt, h_block, block_dv, block_n, warps, stages in SWEEP_CONFIGS:
+    for fmt, h_block, block_dv, block_n, warps, stages, prefetch, max_splits in SWEEP_CONFIGS:
         for layer, extra_len in (("csa", 512), ("hca", 1024)):
             for tokens in (1, 4):
                 case = Case(f"{layer}-{fmt}", 1 if smoke else 64, tokens, 64, layer, fmt,
                             extra_len // 16 if smoke else extra_len, window=16 if smoke else WINDOW)
                 args = make_inputs(case, device)
                 programs = case.batch * tokens * triton.cdiv(case.heads, h_block) * (case.head_dim // block_dv)
-                splits = sm.split_count(programs, case.window + case.extra_len, device)
-                cfg = sm.LaunchConfig(h_block, block_dv, block_n, splits, warps, stages)
+                splits = sm.split_count(programs, case.window + case.extra_len, device, max_splits=max_splits or None)
+                cfg = sm.LaunchConfig(h_block, block_dv, block_n, splits, warps, stages, prefetch)
                 out = torch.empty_like(args[0])
                 launches = sm.plan_sparse_mla(*args, out=out, config=cfg)
                 compiled = [launch.kernel[launch.grid](*launch.args, **launch.meta) for launch in launches][0]
@@ -398,7 +412,7 @@ def sweep(device, out_dir: Path, smoke: bool) -> int:
                 seconds = graph_timer(run, smoke)[0]
                 nbytes, flops = floors(case, args)
                 floor_us = max(nbytes / HBM_BYTES_PER_S, flops / BF16_FLOPS_PER_S) * 1e6
-                key = (fmt, h_block, block_dv, block_n, warps, stages)  # T and splits leave smem alone
+                key = (fmt, h_block, block_dv, block_n, warps, stages, prefetch)  # T, splits leave smem alone
                 if key not in sm120 and smoke:
                     sm120[key] = ("not checked (interpreter)", "")
                 elif key not in sm120:
@@ -408,7 +422,8 @@ def sweep(device, out_dir: Path, smoke: bool) -> int:
                     except Exception as exc:  # noqa: BLE001 - recorded in the table
                         sm120[key] = (f"failed {exc!r:.60}", "")
                 line = (f"| {fmt} | {layer} | {tokens} | {h_block}, {block_dv}, {block_n}, {warps}, {stages}, "
-                        f"{splits} | {seconds * 1e6:.1f} | {floor_us:.1f} | {floor_us / (seconds * 1e6):.3f} | "
+                        f"{prefetch}, {splits} | {seconds * 1e6:.1f} | {floor_us:.1f} | "
+                        f"{floor_us / (seconds * 1e6):.3f} | "
                         f"{getattr(compiled, 'n_regs', '-')} | {getattr(compiled, 'n_spills', '-')} | "
                         f"{compiled.metadata.shared if compiled else '-'} | {sm120[key][0]} | "
                         f"{sm120[key][1]} | {err:.3g}{'' if ok else ' FAIL'} |")

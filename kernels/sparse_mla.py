@@ -12,10 +12,11 @@ halves over two programs (each recomputes QK over all dims; the second gather hi
 f32 accumulator is [64, 256]. Each token walks its own index list, so CSA verify tokens with
 different top-k lists cost no extra dots; the T tokens of a request run in adjacent programs, so
 rows they share come from L2. The tile loop stops after the token's last selected position
-(HCA lists have -1 tails). For small grids the index positions are split across programs
-(split-K): each split writes its normalised partial output and log-sum-exp
-(`dsv4::sparse_mla_partials`, whose reference is the spec of the split), and a combine kernel
-merges them and adds the sink.
+(HCA lists have -1 tails) and carries the next tile's indices, so Triton's pipeliner keeps
+num_stages - 1 gathers in flight (an optional L2 prefetch hint reaches further ahead). For small
+grids the index positions are split across programs (split-K): each split writes its normalised
+partial output and log-sum-exp (`dsv4::sparse_mla_partials`, whose reference is the spec of the
+split), and a combine kernel merges them and adds the sink.
 
 Out-of-range indices (idx < 0 or idx >= number of rows of the pool) are treated as skip by both
 the kernel and the reference: they are never read, and no host sync is needed to validate them.
@@ -288,21 +289,26 @@ def _load_rows(kv_ptr, rope_ptr, scale_ptr, rows, row_ok, col0,
 
 
 @triton.jit
-def _attend_tile(q, m_i, l_i, acc, start, pos_hi, col0,
+def _tile_rows(idx_ptr, stride_ik, start, pos_hi, num_rows, BLOCK_N: tl.constexpr):
+    """Rows [BN] int64 of index positions [start, start + BN) and which of them to read (none past pos_hi)."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    rows = tl.load(idx_ptr + offs_n * stride_ik, mask=offs_n < pos_hi, other=-1)
+    ok = (rows >= 0) & (rows < num_rows)  # -1 and out of range: skipped, never read
+    return rows.to(tl.int64), ok
+
+
+@triton.jit
+def _attend_rows(q, m_i, l_i, acc, rows, ok, col0,
                  kv_ptr, rope_ptr, scale_ptr, stride_row, stride_col, stride_rope_row, stride_scale_row,
-                 idx_ptr, stride_ik, num_rows, qk_scale_log2,
+                 qk_scale_log2,
                  HEAD_DIM: tl.constexpr, NOPE: tl.constexpr, FP8: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                  KV_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One online-softmax step of the program's heads over index positions [start, start + BN).
+    """Gathers rows [BN] (lanes not ok: unread) and takes one online-softmax step of the program's heads.
 
     The gathered rows serve both dots (K == V); with BLOCK_DV < BLOCK_D the PV dot takes only the
     program's value columns, re-read from the same rows (an L1/L2 hit).
     """
-    offs_n = start + tl.arange(0, BLOCK_N)
-    rows = tl.load(idx_ptr + offs_n * stride_ik, mask=offs_n < pos_hi, other=-1)
-    ok = (rows >= 0) & (rows < num_rows)  # -1 and out of range: skipped, never read
-    rows = rows.to(tl.int64)
     k = _load_rows(kv_ptr, rope_ptr, scale_ptr, rows, ok, 0, stride_row, stride_col, stride_rope_row,
                    stride_scale_row, HEAD_DIM, NOPE, FP8, KV_DTYPE, BLOCK_N, BLOCK_D)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [H_BLOCK, BN]
@@ -322,38 +328,67 @@ def _attend_tile(q, m_i, l_i, acc, start, pos_hi, col0,
 
 
 @triton.jit
+def _prefetch_rows_l2(kv_ptr, idx_ptr, stride_ik, start, pos_hi, num_rows, stride_row, stride_col,
+                      LINE_ELEMS: tl.constexpr, ROW_ELEMS: tl.constexpr, ROW_LINES: tl.constexpr,
+                      BLOCK_P: tl.constexpr):
+    """Hints the rows of index positions [start, start + BLOCK_P) into L2 (prefetch.global.L2, one
+    per 128-byte line of each row; skipped lanes issue nothing). No result: a pure latency hint."""
+    offs = start + tl.arange(0, BLOCK_P)
+    rows = tl.load(idx_ptr + offs * stride_ik, mask=offs < pos_hi, other=-1)
+    ok = (rows >= 0) & (rows < num_rows)
+    lines = tl.arange(0, ROW_LINES) * LINE_ELEMS
+    ptrs = kv_ptr + rows.to(tl.int64)[:, None] * stride_row + lines[None, :] * stride_col
+    issue = (ok[:, None] & (lines < ROW_ELEMS)[None, :]).to(tl.int32)
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+        "=r,l,r", [ptrs, issue], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _attend_pool(q, m_i, l_i, acc, pos_lo, pos_hi, col0,
                  kv_ptr, rope_ptr, scale_ptr, stride_row, stride_col, stride_rope_row, stride_scale_row,
                  idx_ptr, stride_ik, num_rows, num_idx, qk_scale_log2,
                  HEAD_DIM: tl.constexpr, NOPE: tl.constexpr, FP8: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_K: tl.constexpr,
                  KV_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
-                 NUM_STAGES: tl.constexpr):
+                 NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, LINE_ELEMS: tl.constexpr,
+                 ROW_ELEMS: tl.constexpr, ROW_LINES: tl.constexpr):
     """Online softmax over index positions [pos_lo, pos_hi) of one token's list in one pool.
 
     The loop stops after the token's last selected position (HCA lists have long -1 tails);
-    inside, lanes with -1 are masked and cost no memory traffic.
+    inside, lanes with -1 are masked and cost no memory traffic. PREFETCH > 0 (GPU only) also
+    hints the rows PREFETCH tiles ahead into L2, beyond the pipeliner's shared-memory buffers.
     """
     offs_k = tl.arange(0, BLOCK_K)
     all_idx = tl.load(idx_ptr + offs_k * stride_ik, mask=offs_k < num_idx, other=-1)
     last = tl.max(tl.where((all_idx >= 0) & (all_idx < num_rows), offs_k, -1), axis=0)
     pos_hi = tl.minimum(pos_hi, last + 1)
+    # The next tile's rows travel in the loop state, so the gather's addresses do not come from a
+    # load in the same iteration: Triton's pipeliner then multi-buffers the gather (num_stages - 1
+    # tiles in flight); loading the indices in the iteration that gathers keeps a single buffer.
+    rows, ok = _tile_rows(idx_ptr, stride_ik, pos_lo, pos_hi, num_rows, BLOCK_N)
     if INTERPRETED:  # the interpreter (numpy >= 2.4) cannot take range() bounds from its scalars
         start = pos_lo
         while start < pos_hi:
-            m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, start, pos_hi, col0,
+            m_i, l_i, acc = _attend_rows(
+                q, m_i, l_i, acc, rows, ok, col0,
                 kv_ptr, rope_ptr, scale_ptr, stride_row, stride_col, stride_rope_row, stride_scale_row,
-                idx_ptr, stride_ik, num_rows, qk_scale_log2,
-                HEAD_DIM, NOPE, FP8, BLOCK_N, BLOCK_D, BLOCK_DV, KV_DTYPE, DOT_PRECISION)
+                qk_scale_log2, HEAD_DIM, NOPE, FP8, BLOCK_N, BLOCK_D, BLOCK_DV, KV_DTYPE, DOT_PRECISION)
+            rows, ok = _tile_rows(idx_ptr, stride_ik, start + BLOCK_N, pos_hi, num_rows, BLOCK_N)
             start += BLOCK_N
     else:
+        if PREFETCH > 0:
+            _prefetch_rows_l2(kv_ptr, idx_ptr, stride_ik, pos_lo, pos_hi, num_rows, stride_row, stride_col,
+                              LINE_ELEMS, ROW_ELEMS, ROW_LINES, PREFETCH * BLOCK_N)
         for start in tl.range(pos_lo, pos_hi, BLOCK_N, num_stages=NUM_STAGES):
-            m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, start, pos_hi, col0,
+            if PREFETCH > 0:
+                _prefetch_rows_l2(kv_ptr, idx_ptr, stride_ik, start + PREFETCH * BLOCK_N, pos_hi, num_rows,
+                                  stride_row, stride_col, LINE_ELEMS, ROW_ELEMS, ROW_LINES, BLOCK_N)
+            m_i, l_i, acc = _attend_rows(
+                q, m_i, l_i, acc, rows, ok, col0,
                 kv_ptr, rope_ptr, scale_ptr, stride_row, stride_col, stride_rope_row, stride_scale_row,
-                idx_ptr, stride_ik, num_rows, qk_scale_log2,
-                HEAD_DIM, NOPE, FP8, BLOCK_N, BLOCK_D, BLOCK_DV, KV_DTYPE, DOT_PRECISION)
+                qk_scale_log2, HEAD_DIM, NOPE, FP8, BLOCK_N, BLOCK_D, BLOCK_DV, KV_DTYPE, DOT_PRECISION)
+            rows, ok = _tile_rows(idx_ptr, stride_ik, start + BLOCK_N, pos_hi, num_rows, BLOCK_N)
     return m_i, l_i, acc
 
 
@@ -370,7 +405,8 @@ def _sparse_mla_fwd(
     FP8: tl.constexpr, H_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_TILE: tl.constexpr,
     HAS_EXTRA: tl.constexpr, HAS_SINK: tl.constexpr, SPLIT: tl.constexpr,
     KV_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_K: tl.constexpr, E_BLOCK_K: tl.constexpr,
-    INTERPRETED: tl.constexpr, NUM_STAGES: tl.constexpr,
+    INTERPRETED: tl.constexpr, NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, LINE_ELEMS: tl.constexpr,
+    ROW_ELEMS: tl.constexpr, ROW_LINES: tl.constexpr,
 ):
     """One program: H_BLOCK heads x BLOCK_DV value columns of one query token, over one split.
 
@@ -412,7 +448,8 @@ def _sparse_mla_fwd(
         q, m_i, l_i, acc, lo * SPLIT_TILE, tl.minimum(tl.minimum(hi, tiles_main) * SPLIT_TILE, num_idx), col0,
         kv_ptr, rope_ptr, scale_ptr, stride_row, stride_col, stride_rope_row, stride_scale_row,
         idx_ptr + b * stride_ib + t * stride_it, stride_ik, num_rows, num_idx, qk_scale_log2,
-        HEAD_DIM, NOPE, FP8, BLOCK_N, BLOCK_D, BLOCK_DV, BLOCK_K, KV_DTYPE, DOT_PRECISION, INTERPRETED, NUM_STAGES)
+        HEAD_DIM, NOPE, FP8, BLOCK_N, BLOCK_D, BLOCK_DV, BLOCK_K, KV_DTYPE, DOT_PRECISION, INTERPRETED, NUM_STAGES,
+        PREFETCH, LINE_ELEMS, ROW_ELEMS, ROW_LINES)
     if HAS_EXTRA:
         m_i, l_i, acc = _attend_pool(
             q, m_i, l_i, acc, tl.maximum(lo - tiles_main, 0) * SPLIT_TILE,
@@ -420,7 +457,7 @@ def _sparse_mla_fwd(
             ekv_ptr, erope_ptr, escale_ptr, e_stride_row, e_stride_col, e_stride_rope_row, e_stride_scale_row,
             eidx_ptr + b * e_stride_ib + t * e_stride_it, e_stride_ik, e_num_rows, e_num_idx, qk_scale_log2,
             HEAD_DIM, NOPE, FP8, BLOCK_N, BLOCK_D, BLOCK_DV, E_BLOCK_K, KV_DTYPE, DOT_PRECISION, INTERPRETED,
-            NUM_STAGES)
+            NUM_STAGES, PREFETCH, LINE_ELEMS, ROW_ELEMS, ROW_LINES)
 
     bth = bt * H + head  # flat (b, t, h) of each row
     if SPLIT:
@@ -482,7 +519,8 @@ class LaunchConfig:
     """Tile sizes and grid of one launch; a function of shapes and device only (capture-safe).
 
     A program covers h_block heads x block_dv value columns of one query token (block_dv = 0
-    means all of them); block_n index positions per tile.
+    means all of them); block_n index positions per tile; prefetch: how many tiles ahead the
+    rows are hinted into L2 (0 = none; prefetch * block_n a power of two).
     """
 
     h_block: int
@@ -491,6 +529,7 @@ class LaunchConfig:
     num_splits: int
     num_warps: int
     num_stages: int
+    prefetch: int = 0
 
 
 _SM_COUNTS: dict[int, int] = {}
@@ -506,34 +545,46 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNTS[index]
 
 
-def split_count(programs: int, num_idx_total: int, device: torch.device, num_splits: int | None = None) -> int:
-    """Splits of the index positions for a grid of `programs` (None: about two programs per SM),
-    capped at the SPLIT_TILE tiles of num_idx_total positions."""
+def split_count(programs: int, num_idx_total: int, device: torch.device, num_splits: int | None = None,
+                max_splits: int | None = None) -> int:
+    """Splits of the index positions for a grid of `programs` (None: about two programs per SM, at
+    most max_splits), capped at the SPLIT_TILE tiles of num_idx_total positions."""
     num_tiles = max(1, triton.cdiv(num_idx_total, SPLIT_TILE))
     if num_splits is None:
         sms = _sm_count(device)
         num_splits = 1 if programs >= sms else min(triton.cdiv(2 * sms, programs), triton.cdiv(num_tiles, 2))
+        num_splits = min(num_splits, max_splits or num_splits)
     return max(1, min(num_splits, num_tiles))
+
+
+# pick_config's tiles per row format: (h_block, block_dv (0: all columns), block_n, num_warps,
+# num_stages, prefetch, max_splits (0: the split-K heuristic uncapped)), as in the bench's SWEEP_CONFIGS.
+DEFAULT_TILES = {
+    "bf16": (16, 0, 32, 4, 2, 0, 0),
+    "fp8": (16, 0, 32, 8, 1, 0, 0),
+}
 
 
 def pick_config(batch: int, tokens: int, heads: int, head_dim: int, num_idx_total: int,
                 device: torch.device, num_splits: int | None = None, fp8_rows: bool = False) -> LaunchConfig:
-    """The launch config for these shapes: 16 heads of one token a program, all value columns.
+    """The launch config for these shapes: DEFAULT_TILES of the row format (16 heads of one token a
+    program, all value columns).
 
-    H200 sweep at B=64, H=64, Dh 512 (bench/bench_sparse_mla.py --sweep, bench/RESULTS.md): with
+    H200 sweep at B=64, H=64, Dh 512 (bench/bench_sparse_mla.py --sweep, bench/RESULTS.md; run
+    before the tile loop carried the next tile's indices, i.e. with one gather in flight): with
     bf16 rows, 16 heads x 512 columns, 4 warps, 2 stages (50,304 B of shared memory on sm_90 and
-    sm_120) beat 64 heads with the value columns split over two programs (the widest MQA tile
+    sm_120; 50,432 B now) beat 64 heads with the value columns split over two programs (the widest MQA tile
     reuse) by 1.3-1.6x (CSA T=1: 63.6 vs 99.1 us). FP8 rows: 8 warps, 1 stage (81,920 B): the
     in-register dequantisation spills with more heads or stages. Small grids split the index
     positions (split-K) so that about two programs run per SM.
     """
+    h_block, block_dv, block_n, num_warps, num_stages, prefetch, max_splits = DEFAULT_TILES[
+        "fp8" if fp8_rows else "bf16"]
     block_d = triton.next_power_of_2(head_dim)
-    h_block = 16  # the smallest tl.dot M
-    programs = batch * tokens * triton.cdiv(heads, h_block)
-    num_splits = split_count(programs, num_idx_total, device, num_splits)
-    if fp8_rows:
-        return LaunchConfig(h_block, block_d, SPLIT_TILE, num_splits, num_warps=8, num_stages=1)
-    return LaunchConfig(h_block, block_d, SPLIT_TILE, num_splits, num_warps=4, num_stages=2)
+    block_dv = min(block_dv or block_d, block_d)
+    programs = batch * tokens * triton.cdiv(heads, h_block) * (block_d // block_dv)
+    num_splits = split_count(programs, num_idx_total, device, num_splits, max_splits or None)
+    return LaunchConfig(h_block, block_dv, block_n, num_splits, num_warps, num_stages, prefetch)
 
 
 def _pool_args(rows: torch.Tensor, scales: torch.Tensor | None, layout: _Layout):
@@ -594,6 +645,7 @@ def plan_sparse_mla(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx, s
     extra = _pool_args(extra_kv, extra_kv_scale, layout) if layout.has_extra else main
     eidx = extra_idx if layout.has_extra else idx
     sink_arg = sink if sink is not None else q
+    kv_elem_bytes = 1 if layout.fp8 else kv.element_size()  # FP8 rows: the byte view (_pool_args)
     num_hblocks = triton.cdiv(heads, cfg.h_block)
     # The Triton 3.6 interpreter multiplies bf16 dot operands as raw 16-bit integers, so on CPU the
     # dots run in f32 (rows are bf16-exact either way; only P's bf16 rounding is not exercised).
@@ -612,7 +664,9 @@ def plan_sparse_mla(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx, s
              KV_DTYPE=tl.float32 if f32_dots else tl.bfloat16, DOT_PRECISION="ieee" if f32_dots else "tf32",
              BLOCK_K=triton.next_power_of_2(max(idx.shape[2], 1)),
              E_BLOCK_K=triton.next_power_of_2(max(num_extra, 1)),
-             INTERPRETED=not q.is_cuda, NUM_STAGES=cfg.num_stages,
+             INTERPRETED=not q.is_cuda, NUM_STAGES=cfg.num_stages, PREFETCH=cfg.prefetch,
+             LINE_ELEMS=128 // kv_elem_bytes, ROW_ELEMS=kv.shape[1],
+             ROW_LINES=triton.next_power_of_2(triton.cdiv(kv.shape[1] * kv_elem_bytes, 128)),
              num_warps=cfg.num_warps, num_stages=cfg.num_stages),
     )
     if not split or partials is not None:

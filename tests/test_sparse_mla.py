@@ -12,6 +12,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
+from dsv4_compile.kernels import sparse_mla as sparse_mla_module
 from dsv4_compile.kernels.sparse_mla import (
     LaunchConfig,
     pick_config,
@@ -19,6 +20,7 @@ from dsv4_compile.kernels.sparse_mla import (
     sparse_mla_partials_reference,
     sparse_mla_reference,
     sparse_mla_triton,
+    split_count,
 )
 
 TOL = {torch.bfloat16: dict(atol=2e-2, rtol=1e-2), torch.float32: dict(atol=1e-4, rtol=1e-4)}
@@ -244,9 +246,13 @@ def test_bad_input_raises_value_error_naming_the_argument(case):
 
 # ----------------------------------------------------------------------------- forced configs
 
-# (h_block, value-column blocks, block_n, num_warps, num_stages): the H200/sm_120 defaults (64 heads
-# over two halves of the value columns for bf16; 16 heads for FP8) and the bench's sweep shapes.
-FORCED = [(64, 2, 32, 8, 2), (16, 1, 32, 8, 1), (16, 1, 32, 4, 2), (32, 1, 16, 8, 2), (16, 2, 64, 8, 1)]
+# (h_block, value-column blocks, block_n, num_warps, num_stages, prefetch): pick_config's defaults
+# (16 heads; 4 warps 2 stages for bf16, 8 warps 1 stage for FP8) and the bench's sweep shapes. The
+# interpreter skips the L2 prefetch hint (GPU-only inline PTX): prefetch > 0 here checks the plumbing
+# and the compiled path's tile loop bounds are the same code; test_l2_prefetch_cross_compiles checks
+# the PTX.
+FORCED = [(64, 2, 32, 8, 2, 0), (16, 1, 32, 8, 1, 0), (16, 1, 32, 4, 2, 0), (16, 1, 16, 8, 4, 4),
+          (16, 2, 64, 8, 1, 0), (64, 1, 16, 8, 3, 0)]
 
 
 def forced_inputs(seed, fmt, layer, heads, extra_len):
@@ -259,16 +265,16 @@ def forced_inputs(seed, fmt, layer, heads, extra_len):
     return tuple(args)
 
 
-@pytest.mark.parametrize("cfg", FORCED, ids=lambda c: "h{}dv{}n{}w{}s{}".format(*c))
+@pytest.mark.parametrize("cfg", FORCED, ids=lambda c: "h{}dv{}n{}w{}s{}p{}".format(*c))
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
 @pytest.mark.parametrize("layer, extra_len", [("csa", 40), ("hca", 33), ("csa", 0)])
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_forced_config_matches_reference(cfg, fmt, layer, extra_len, num_splits):
     """Each config on fresh inputs, heads not a multiple of h_block; tolerance: TOL (module doc)."""
-    h_block, dv_blocks, block_n, warps, stages = cfg
+    h_block, dv_blocks, block_n, warps, stages, prefetch = cfg
     args = forced_inputs(hash(cfg) % 1000 + num_splits, fmt, layer, h_block + 3, extra_len)
     block_d = 128  # head_dim 96 (FP8 split 64 + 32) and the bf16 rows alike
-    config = LaunchConfig(h_block, block_d // dv_blocks, block_n, num_splits, warps, stages)
+    config = LaunchConfig(h_block, block_d // dv_blocks, block_n, num_splits, warps, stages, prefetch)
     q = args[0]
     out = torch.full(q.shape, float("nan"), dtype=q.dtype)
     got = sparse_mla_triton(*args, out=out, config=config)
@@ -276,21 +282,21 @@ def test_forced_config_matches_reference(cfg, fmt, layer, extra_len, num_splits)
     assert torch.equal(got[1, 2], torch.zeros_like(got[1, 2]))
 
 
-@pytest.mark.parametrize("cfg", FORCED[:2] + FORCED[-1:], ids=lambda c: "h{}dv{}n{}w{}s{}".format(*c))
+@pytest.mark.parametrize("cfg", FORCED[:2] + FORCED[-2:], ids=lambda c: "h{}dv{}n{}w{}s{}p{}".format(*c))
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
 def test_forced_config_partials_match_reference(cfg, fmt):
     """The split-K pass alone (dsv4::sparse_mla_partials' contract) under each config: every
     value-column block writes its columns, one writes the lse; splits own whole SPLIT_TILE runs
     of positions whatever block_n is (64 here too). f32 partials of bf16-exact rows
     with f32 dots on CPU: atol = rtol = 1e-4 (summation order and exp2 only)."""
-    h_block, dv_blocks, block_n, warps, stages = cfg
+    h_block, dv_blocks, block_n, warps, stages, prefetch = cfg
     args = forced_inputs(7, fmt, "csa", h_block + 3, 40)
     q, kv, kv_scale, idx, ekv, esc, eidx, _, scale = args
     batch, tokens, heads, head_dim = q.shape
     splits = 3
     out = torch.full((batch, tokens, heads, splits, head_dim), float("nan"))
     lse = torch.full((batch, tokens, heads, splits), float("nan"))
-    config = LaunchConfig(h_block, 128 // dv_blocks, block_n, splits, warps, stages)
+    config = LaunchConfig(h_block, 128 // dv_blocks, block_n, splits, warps, stages, prefetch)
     for launch in plan_sparse_mla(q, kv, kv_scale, idx, ekv, esc, eidx, None, scale, None, config=config,
                                   partials=(out, lse)):
         launch.kernel[launch.grid](*launch.args, **launch.meta)
@@ -314,3 +320,54 @@ def test_pick_config_at_real_size(fp8_rows, want):
     cfg = pick_config(64, 1, 64, 512, 640, torch.device("cpu"), fp8_rows=fp8_rows)
     assert (cfg.h_block, cfg.block_dv, cfg.num_warps, cfg.num_stages) == want
     assert cfg.num_splits >= 1 and cfg.block_n == 32
+
+
+def test_split_count_heuristic_and_cap():
+    """CPU counts 4 SMs: one program gets about two a SM (8 splits of 20 tiles), max_splits caps the
+    heuristic only, a forced count is kept (up to the tile count), big grids never split."""
+    cpu = torch.device("cpu")
+    assert split_count(1, 640, cpu) == 8
+    assert split_count(1, 640, cpu, max_splits=2) == 2
+    assert split_count(1, 640, cpu, num_splits=5, max_splits=2) == 5
+    assert split_count(1, 40, cpu, num_splits=5) == 2
+    assert split_count(64, 640, cpu, max_splits=2) == 1
+
+
+_CROSS_COMPILE = """
+import sys, torch
+sys.path[:0] = ["bench", "tests"]
+import bench_sparse_mla as bench
+from test_sparse_mla import forced_inputs
+print("module", bench.sm.__file__)
+for fmt in ("bf16", "fp8"):
+    args = forced_inputs(0, fmt, "hca", 19, 40)
+    cfg = bench.sm.LaunchConfig(16, 128, 16, 1, 4, 2, prefetch=2)
+    launch = bench.sm.plan_sparse_mla(*args, out=torch.empty_like(args[0]), config=cfg)[0]
+    for cap in (90, 120):
+        compiled = bench.cross_compile(launch, cap)
+        print(fmt, cap, compiled.metadata.shared, compiled.asm["ptx"].count("prefetch.global.L2"))
+"""
+
+
+def test_l2_prefetch_cross_compiles_for_sm90_and_sm120():
+    """The prefetch hint is inline PTX the interpreter never runs: compile it (no GPU needed, in a
+    process without TRITON_INTERPRET) for both targets; it must emit L2 prefetches and stay within
+    sm_120's 101,376 B of shared memory."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # this process's modules, not the cwd's
+    done = subprocess.run([sys.executable, "-P", "-c", _CROSS_COMPILE], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    first, *rest = done.stdout.splitlines()
+    assert first == f"module {sparse_mla_module.__file__}"
+    lines = [line.split() for line in rest]
+    assert sorted((fmt, cap) for fmt, cap, _, _ in lines) == [("bf16", "120"), ("bf16", "90"),
+                                                              ("fp8", "120"), ("fp8", "90")]
+    for _, _, shared, prefetches in lines:
+        assert int(shared) <= 101_376 and int(prefetches) > 0
