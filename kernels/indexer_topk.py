@@ -9,7 +9,9 @@ Kernels, all on static grids (capture-safe):
      split, split + splits, ... below the request's last NEEDED page, reads each key page once
      and scores it for all T query tokens of the request, writing f32 scores into a workspace
      [B, T, max_pages * 64] only for s < lens[b, t]. A token with lens <= topk needs no score
-     (its answer is every visible slot), so it does not extend the pages read.
+     (its answer is every visible slot), so it does not extend the pages read. With
+     `fuse_stats` it also writes each (token, page)'s score statistics (max, min, mean,
+     squared deviation), from which the selection places its bins, skipping its first pass.
   2. the row top-k of kernels/topk_select.py: each row is split into chunks handled by separate
      programs (bin histograms, then a compaction of the sure picks and of the threshold bin's
      candidates), and one program per row finishes the selection among the few candidates.
@@ -22,7 +24,8 @@ import triton
 import triton.language as tl
 
 from dsv4_compile.kernels._runtime import triton_runs_on
-from dsv4_compile.kernels.topk_select import DEFAULT_CHUNK, DEFAULT_SELECT_WARPS, select_topk_triton
+from dsv4_compile.kernels.topk_select import (DEFAULT_CHUNK, DEFAULT_SELECT_WARPS,
+                                              DEFAULT_SPLIT_BLOCK, select_topk_triton)
 
 PAGE_SIZE = 64
 MAX_TOPK = 2048
@@ -30,6 +33,12 @@ MIN_HEADS, MAX_HEADS = 4, 128
 MAX_HEAD_DIM = 256
 _Q_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.float32)
 _K_DTYPES = (torch.float8_e4m3fn, torch.bfloat16, torch.float32)
+# The scoring kernel writes each page's score statistics, so the selection skips that pass.
+DEFAULT_FUSE_STATS = True
+# Register cap of the scoring kernel by its warps (sm_90 cross-compiles, fp8, H=64, stats on:
+# T=1 at 4 warps needs 79 uncapped, 72 capped without spills: 7 programs an SM instead of 6;
+# T=4 at 8 warps 145 uncapped, 128 capped with 16 B of spills: 2 programs an SM instead of 1).
+SCORE_MAX_REGS = {4: 72, 8: 128}
 # Query columns (tokens x heads) scored by one tl.dot; bounds registers and shared memory.
 _MAX_DOT_ROWS = 256
 
@@ -109,11 +118,12 @@ def _load_query_cols(q_ptr, w_ptr, b, t0, T, H, D,
 
 
 @triton.jit
-def _score_and_store(q_cols, w_cols, keys, scale, ws_ptr, b, t0, T, slot0, lens_ptr,
-                     sl_b, sl_t, S_MAX,
+def _score_and_store(q_cols, w_cols, keys, scale, ws_ptr, stats_ptr, b, t0, T, page, lens_ptr,
+                     sl_b, sl_t, S_MAX, N_PAGES,
                      BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, PAGE: tl.constexpr,
-                     HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr):
-    """Scores of one key page for BLOCK_T tokens, stored where slot < lens[b, t].
+                     HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr, STATS: tl.constexpr):
+    """Scores of one key page for BLOCK_T tokens, stored where slot < lens[b, t]; with STATS,
+    also each token's (max, min, mean, squared deviation) of the page's stored scores.
 
     Slots are the dot's M dimension and (token, head) its N dimension, so the sum over heads
     reduces along the accumulator's rows (mostly within a thread).
@@ -126,19 +136,33 @@ def _score_and_store(q_cols, w_cols, keys, scale, ws_ptr, b, t0, T, slot0, lens_
     t = t0 + tl.arange(0, BLOCK_T)
     lens = tl.load(lens_ptr + b * sl_b + t * sl_t, mask=t < T, other=0)
     lens = tl.minimum(tl.maximum(lens, 0), S_MAX)
-    slot = slot0 + tl.arange(0, PAGE)
+    slot = page * PAGE + tl.arange(0, PAGE)
     keep = (t[None, :] < T) & (slot[:, None] < lens[None, :])
-    tl.store(ws_ptr + (b * T + t[None, :]) * S_MAX + slot[:, None], scores, mask=keep)
+    rows = b * T + t
+    tl.store(ws_ptr + rows[None, :] * S_MAX + slot[:, None], scores, mask=keep)
+    if STATS:  # the row top-k's first pass, on scores still in registers
+        # One pass (sum and sum of squares): the statistics only place the bins, and a
+        # cancellation error there costs time, never correctness.
+        count = tl.maximum(tl.minimum(lens - page * PAGE, PAGE), 1).to(tl.float32)
+        kept = tl.where(keep, scores, 0.0)
+        mean = tl.sum(kept, axis=0) / count
+        m2 = tl.maximum(tl.sum(kept * kept, axis=0) - count * mean * mean, 0.0)
+        out = stats_ptr + (rows * N_PAGES + page) * 4
+        has = (t < T) & (lens > page * PAGE)
+        tl.store(out, tl.max(tl.where(keep, scores, -float("inf")), axis=0), mask=has)
+        tl.store(out + 1, tl.min(tl.where(keep, scores, float("inf")), axis=0), mask=has)
+        tl.store(out + 2, mean, mask=has)
+        tl.store(out + 3, m2, mask=has)
 
 
 @triton.jit
 def _score_page(page, q_cols, w_cols, q_ptr, w_ptr, k_ptr, ks_ptr, pt_ptr, lens_ptr, ws_ptr,
-                b, T, H, D, P, S_MAX,
+                stats_ptr, b, T, H, D, P, S_MAX, N_PAGES,
                 sq_b, sq_t, sq_h, sq_d, sw_b, sw_t, sw_h,
                 sk_p, sk_s, sk_d, sks_p, sks_s, spt_b, spt_j, sl_b, sl_t,
                 N_TBLOCKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
                 BLOCK_D: tl.constexpr, PAGE: tl.constexpr, HAS_SCALE: tl.constexpr,
-                DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+                DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, STATS: tl.constexpr):
     """Read logical page `page` of request b once and score it for all T tokens."""
     slot_in_page = tl.arange(0, PAGE)
     d = tl.arange(0, BLOCK_D)
@@ -152,28 +176,29 @@ def _score_page(page, q_cols, w_cols, q_ptr, w_ptr, k_ptr, ks_ptr, pt_ptr, lens_
         scale = tl.load(ks_ptr + phys * sks_p + slot_in_page * sks_s, mask=page_ok,
                         other=0.0).to(tl.float32)
     if N_TBLOCKS == 1:
-        _score_and_store(q_cols, w_cols, keys, scale, ws_ptr, b, 0, T, page * PAGE,
-                         lens_ptr, sl_b, sl_t, S_MAX, BLOCK_T, BLOCK_H, PAGE,
-                         HAS_SCALE, PRECISION)
+        _score_and_store(q_cols, w_cols, keys, scale, ws_ptr, stats_ptr, b, 0, T, page,
+                         lens_ptr, sl_b, sl_t, S_MAX, N_PAGES, BLOCK_T, BLOCK_H, PAGE,
+                         HAS_SCALE, PRECISION, STATS)
     else:  # many tokens: the page stays on chip while the token blocks reload their queries
         for tb in range(0, N_TBLOCKS):
             qb, wb = _load_query_cols(q_ptr, w_ptr, b, tb * BLOCK_T, T, H, D, sq_b, sq_t,
                                       sq_h, sq_d, sw_b, sw_t, sw_h, BLOCK_T, BLOCK_H,
                                       BLOCK_D, DOT_DTYPE)
-            _score_and_store(qb, wb, keys, scale, ws_ptr, b, tb * BLOCK_T, T, page * PAGE,
-                             lens_ptr, sl_b, sl_t, S_MAX, BLOCK_T, BLOCK_H, PAGE,
-                             HAS_SCALE, PRECISION)
+            _score_and_store(qb, wb, keys, scale, ws_ptr, stats_ptr, b, tb * BLOCK_T, T, page,
+                             lens_ptr, sl_b, sl_t, S_MAX, N_PAGES, BLOCK_T, BLOCK_H, PAGE,
+                             HAS_SCALE, PRECISION, STATS)
 
 
 @triton.jit
 def _score_pages_kernel(
-    q_ptr, w_ptr, k_ptr, ks_ptr, pt_ptr, lens_ptr, ws_ptr,
-    T, H, D, P, S_MAX, SPLITS, TOPK,
+    q_ptr, w_ptr, k_ptr, ks_ptr, pt_ptr, lens_ptr, ws_ptr, stats_ptr,
+    T, H, D, P, S_MAX, N_PAGES, SPLITS, TOPK,
     sq_b, sq_t, sq_h, sq_d, sw_b, sw_t, sw_h,
     sk_p, sk_s, sk_d, sks_p, sks_s, spt_b, spt_j, sl_b, sl_t,
     N_TBLOCKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr, PAGE: tl.constexpr, HAS_SCALE: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, FOR_LOOPS: tl.constexpr,
+    STATS: tl.constexpr,
 ):
     b = tl.program_id(0)
     split = tl.program_id(1)
@@ -196,20 +221,22 @@ def _score_pages_kernel(
         if FOR_LOOPS:  # software-pipelined on the GPU
             for page in range(split, n_pages, SPLITS):
                 _score_page(page, q_cols, w_cols, q_ptr, w_ptr, k_ptr, ks_ptr, pt_ptr,
-                            lens_ptr, ws_ptr, b, T, H, D, P, S_MAX, sq_b, sq_t, sq_h, sq_d,
+                            lens_ptr, ws_ptr, stats_ptr, b, T, H, D, P, S_MAX, N_PAGES,
+                            sq_b, sq_t, sq_h, sq_d,
                             sw_b, sw_t, sw_h,
                             sk_p, sk_s, sk_d, sks_p, sks_s, spt_b, spt_j, sl_b, sl_t,
                             N_TBLOCKS, BLOCK_T, BLOCK_H, BLOCK_D, PAGE, HAS_SCALE, DOT_DTYPE,
-                            PRECISION)
+                            PRECISION, STATS)
         else:  # the interpreter (numpy >= 2.4) cannot take its 1-element tensors as range()
             page = split
             while page < n_pages:
                 _score_page(page, q_cols, w_cols, q_ptr, w_ptr, k_ptr, ks_ptr, pt_ptr,
-                            lens_ptr, ws_ptr, b, T, H, D, P, S_MAX, sq_b, sq_t, sq_h, sq_d,
+                            lens_ptr, ws_ptr, stats_ptr, b, T, H, D, P, S_MAX, N_PAGES,
+                            sq_b, sq_t, sq_h, sq_d,
                             sw_b, sw_t, sw_h,
                             sk_p, sk_s, sk_d, sks_p, sks_s, spt_b, spt_j, sl_b, sl_t,
                             N_TBLOCKS, BLOCK_T, BLOCK_H, BLOCK_D, PAGE, HAS_SCALE, DOT_DTYPE,
-                            PRECISION)
+                            PRECISION, STATS)
                 page += SPLITS
 
 
@@ -257,6 +284,8 @@ def indexer_scores_triton(
     workspace: torch.Tensor | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
+    block_stats: torch.Tensor | None = None,
+    max_regs: int | None = None,
 ):
     """Launch the scoring kernel; returns (workspace [B, T, max_pages * 64] f32, the kernel).
 
@@ -265,6 +294,10 @@ def indexer_scores_triton(
     of the request has more than topk visible slots). Every other element is left unwritten.
     Arguments as `indexer_topk_triton`; `workspace` may be a caller's contiguous
     [B, T, max_pages * 64] f32 tensor; num_warps and num_stages override the launch config.
+    `block_stats`, a contiguous [B * T, max_pages, 4] f32 tensor, also receives, for each page
+    read and token, (max, min, mean, squared deviation from the mean) of the scores written on
+    that page (the `block_stats` of kernels/topk_select.py); other entries are left unwritten.
+    `max_regs` caps the registers a thread (default SCORE_MAX_REGS by warps; 0: no cap).
     """
     batch, tokens, heads, head_dim = q.shape
     max_pages = page_table.shape[1]
@@ -276,18 +309,21 @@ def indexer_scores_triton(
     rows = block_t * block_h
     splits = splits or default_splits(batch, max_pages, q.device)
     dot_dtype, precision = _dot_dtype(q, k_cache)
+    warps = num_warps or (8 if rows >= 128 else 4)
     has_scale = k_scale is not None
     ks = k_scale if has_scale else k_cache  # unused pointer when there is no scale
     ks_strides = (k_scale.stride(0), k_scale.stride(1)) if has_scale else (0, 0)
     kernel = _score_pages_kernel[(batch, splits)](
         q, weights, k_cache, ks, page_table, lens, workspace,
-        tokens, heads, head_dim, k_cache.shape[0], s_max, splits, topk,
+        workspace if block_stats is None else block_stats,  # unused pointer without stats
+        tokens, heads, head_dim, k_cache.shape[0], s_max, max_pages, splits, topk,
         *q.stride(), *weights.stride(), *k_cache.stride(), *ks_strides,
         *page_table.stride(), *lens.stride(),
         N_TBLOCKS=triton.cdiv(tokens, block_t), BLOCK_T=block_t, BLOCK_H=block_h,
         BLOCK_D=triton.next_power_of_2(head_dim), PAGE=PAGE_SIZE, HAS_SCALE=has_scale,
         DOT_DTYPE=dot_dtype, PRECISION=precision, FOR_LOOPS=q.is_cuda,
-        num_warps=num_warps or (8 if rows >= 128 else 4), num_stages=num_stages,
+        STATS=block_stats is not None, num_warps=warps, num_stages=num_stages,
+        maxnreg=SCORE_MAX_REGS.get(warps) if max_regs is None else (max_regs or None),
     )
     return workspace, kernel
 
@@ -306,6 +342,11 @@ def indexer_topk_triton(
     workspace: torch.Tensor | None = None,
     chunk: int = DEFAULT_CHUNK,
     select_warps: int = DEFAULT_SELECT_WARPS,
+    split_block: int = DEFAULT_SPLIT_BLOCK,
+    fuse_stats: bool = DEFAULT_FUSE_STATS,
+    score_warps: int | None = None,
+    score_stages: int = 2,
+    score_max_regs: int | None = None,
 ) -> tuple[torch.Tensor, list]:
     """Launch the scoring and selection kernels; returns (idx [B, T, topk] int32, the kernels).
 
@@ -313,17 +354,27 @@ def indexer_topk_triton(
     clamped in the kernels, so no value can cause an out-of-bounds read). `out` may be a
     pre-poisoned [B, T, topk] int32 contiguous tensor to write into, `workspace` a
     (pre-poisoned) contiguous [B, T, max_pages * 64] f32 score buffer; `splits` overrides the
-    number of scoring programs per request, `chunk` and `select_warps` the selection's slots
-    and warps per program.
+    number of scoring programs per request, `chunk`, `select_warps` and `split_block` the
+    selection's slots and warps per program and the split kernel's slots at a time;
+    `fuse_stats` has the scoring kernel write each page's score statistics for the selection
+    (which then skips its own statistics pass); `score_warps`, `score_stages` and
+    `score_max_regs` override the scoring kernel's launch config.
     """
     batch, tokens = q.shape[:2]
     if out is None:
         out = torch.empty((batch, tokens, topk), dtype=torch.int32, device=q.device)
     if batch == 0 or tokens == 0:
         return out, []
+    stats = None
+    if fuse_stats:
+        stats = torch.empty((batch * tokens, page_table.shape[1], 4), dtype=torch.float32,
+                            device=q.device)
     workspace, score = indexer_scores_triton(q, weights, k_cache, k_scale, page_table, lens,
-                                             topk, splits=splits, workspace=workspace)
-    select = select_topk_triton(workspace, lens, topk, out, chunk=chunk, num_warps=select_warps)
+                                             topk, splits=splits, workspace=workspace,
+                                             num_warps=score_warps, num_stages=score_stages,
+                                             block_stats=stats, max_regs=score_max_regs)
+    select = select_topk_triton(workspace, lens, topk, out, chunk=chunk, num_warps=select_warps,
+                                split_block=split_block, block_stats=stats)
     return out, [score, *select]
 
 

@@ -46,6 +46,26 @@ _HIST_TILE = 16  # chunk histograms per [chunks, NUM_BINS] load when a kernel su
 _FINISH_BLOCK = 1024
 
 
+def block_stats_reference(scores: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """The `block_stats` of `select_topk_triton`: [B * T, ceil(S / 64), 4] f32, for each block
+    of STAT_BLOCK slots holding valid scores (s < lens[b, t]) their (max, min, mean, squared
+    deviation from the mean); NaN for blocks with no valid score (never read).
+    scores [B, T, S] f32, lens [B, T] int32."""
+    batch, tokens, slots = scores.shape
+    n_blocks = triton.cdiv(slots, STAT_BLOCK)
+    padded = torch.nn.functional.pad(scores.double(), (0, n_blocks * STAT_BLOCK - slots))
+    blocks = padded.reshape(batch * tokens, n_blocks, STAT_BLOCK)
+    valid = (torch.arange(n_blocks * STAT_BLOCK, device=scores.device)
+             < lens.reshape(-1, 1).long()).reshape(blocks.shape)
+    count = valid.sum(dim=-1)
+    kept = torch.where(valid, blocks, 0.0)
+    mean = kept.sum(dim=-1) / count.clamp(min=1)
+    m2 = torch.where(valid, (blocks - mean[..., None]) ** 2, 0.0).sum(dim=-1)
+    stats = torch.stack([torch.where(valid, blocks, -torch.inf).amax(dim=-1),
+                         torch.where(valid, blocks, torch.inf).amin(dim=-1), mean, m2], dim=-1)
+    return torch.where((count > 0)[..., None], stats, torch.nan).float()
+
+
 @triton.jit
 def _row_len(lens_ptr, row, T, S_MAX, sl_b, sl_t):
     b = row // T
@@ -374,7 +394,7 @@ def select_topk_triton(scores: torch.Tensor, lens: torch.Tensor, topk: int, out:
     kernels, `split_block` (a power of two) the slots the split kernel handles at a time,
     `programs` their programs per row (default `programs_per_row`), `cap` the candidates kept
     per row (tests force the whole-row fallback with a small one). `block_stats`, when given,
-    is [B * T, S // 64, 4] f32 contiguous: (max, min, mean, squared deviation from the mean) of
+    is [B * T, ceil(S / 64), 4] f32 contiguous: (max, min, mean, squared deviation from the mean) of
     the valid scores of each block of 64 slots below the row's length (what the indexer's
     scoring kernel writes); the statistics kernel is then skipped.
     """
