@@ -241,11 +241,15 @@ def main() -> int:
 
 
 # Launch variants of the whole op (keyword arguments of indexer_topk_triton) for --sweep; the
-# first is the current default, the second the defaults before the fused statistics.
+# first is the current default, the second the defaults before the fused statistics, the page
+# id loaded ahead and the split kernel's blocks.
 SELECT_CONFIGS = (
     dict(),
-    dict(chunk=2048, select_warps=4, split_block=2048, fuse_stats=False, score_max_regs=0),
+    dict(chunk=2048, select_warps=4, split_block=2048, fuse_stats=False, score_max_regs=0,
+         id_ahead=False, score_stages=2),
     dict(fuse_stats=False),
+    dict(score_stages=2),
+    dict(score_stages=4),
     dict(score_max_regs=0),
     dict(split_block=256),
     dict(split_block=1024),
@@ -317,14 +321,21 @@ def sweep_select(mod, bench, device, heads, dim, max_pages, topk, smoke) -> str:
     return "\n".join(lines + smem) + "\n"
 
 
-# Scoring kernel variants for --sweep-score: (statistics written, register cap (None: the
-# default SCORE_MAX_REGS, 0: none), warps (None: the default), stages, splits multiplier); the
-# first is the current default launch, the second the one before the fused statistics.
-SCORE_CONFIGS = ((True, None, None, 2, 1), (False, 0, None, 2, 1)) + tuple(
-    (stats, regs, warps, stages, mult)
-    for stats in (True, False) for regs in (None, 0)
-    for warps, stages, mult in ((4, 2, 1), (4, 3, 1), (4, 2, 2), (8, 2, 1), (8, 3, 1), (8, 2, 2))
-)
+# Scoring kernel variants for --sweep-score (keyword arguments of indexer_scores_triton, with
+# stats: write the page statistics, mult: splits as a multiple of the default); the first is
+# the current default launch, the second the one before the fused statistics and page ids
+# loaded ahead.
+_DEFAULT_SCORE = dict(stats=True, max_regs=None, id_ahead=True, num_warps=None, num_stages=3,
+                      mult=1)
+SCORE_CONFIGS = (
+    _DEFAULT_SCORE,
+    dict(stats=False, max_regs=0, id_ahead=False, num_warps=None, num_stages=2, mult=1),
+    dict(_DEFAULT_SCORE, id_ahead=False, num_stages=2, max_regs=0),
+    dict(_DEFAULT_SCORE, id_ahead=False, num_stages=2),
+    dict(_DEFAULT_SCORE, stats=False),
+    dict(_DEFAULT_SCORE, max_regs=0),
+) + tuple(dict(_DEFAULT_SCORE, num_warps=warps, num_stages=stages, mult=mult)
+          for warps in (4, 8) for stages in (2, 3, 4) for mult in (1, 2))
 
 
 def sweep_score(mod, bench, device, heads, dim, max_pages, topk, smoke) -> str:
@@ -333,8 +344,7 @@ def sweep_score(mod, bench, device, heads, dim, max_pages, topk, smoke) -> str:
     registers of each compiled variant."""
     batch, context = (2, 1000) if smoke else (64, 131072)
     gen = torch.Generator(device=device).manual_seed(1)
-    lines = ["| T | stats | max regs | warps | stages | splits | us | regs | shared B |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| T | variant | us | regs | shared B |", "|---|---|---|---|---|"]
     q_dtype = torch.float8_e4m3fn
     for tokens in (1, 4):
         inputs = make_inputs(batch, context, tokens, heads, dim, max_pages, q_dtype, device, gen)
@@ -343,18 +353,19 @@ def sweep_score(mod, bench, device, heads, dim, max_pages, topk, smoke) -> str:
         ref_ws, _ = mod.indexer_scores_triton(*inputs, topk)
         valid = torch.arange(ref_ws.shape[-1], device=device) < lens[..., None]
         stats = torch.empty((batch * tokens, max_pages, 4), dtype=torch.float32, device=device)
-        for with_stats, regs, warps, stages, mult in SCORE_CONFIGS:
-            kw = dict(splits=base * mult, num_warps=warps, num_stages=stages, max_regs=regs,
-                      block_stats=stats if with_stats else None)
+        for config in SCORE_CONFIGS:
+            kw = dict(config)
+            kw["splits"] = base * kw.pop("mult")
+            kw["block_stats"] = stats if kw.pop("stats") else None
             ws, kernel = mod.indexer_scores_triton(*inputs, topk, **kw)
             # fp8 MMA accumulation order may differ between launch configs
-            assert torch.allclose(ws[valid], ref_ws[valid], rtol=1e-3, atol=1e-2)
+            assert torch.allclose(ws[valid], ref_ws[valid], rtol=1e-3, atol=1e-2), config
             meta = getattr(kernel, "metadata", None)
             shared = meta.shared if meta else 0
-            assert shared <= SMEM_LIMIT, (kw, shared)
+            assert shared <= SMEM_LIMIT, (config, shared)
             us = bench(lambda: mod.indexer_scores_triton(*inputs, topk, **kw), graph=True)
-            lines.append(f"| {tokens} | {with_stats} | {regs} | {warps} | {stages} | "
-                         f"{base * mult} | {us:.1f} | {getattr(kernel, 'n_regs', '-')} | "
+            name = ", ".join(f"{k}={v}" for k, v in config.items())
+            lines.append(f"| {tokens} | {name} | {us:.1f} | {getattr(kernel, 'n_regs', '-')} | "
                          f"{shared} |")
         del inputs, ref_ws, stats
     return "\n".join(lines) + "\n"

@@ -39,6 +39,12 @@ DEFAULT_FUSE_STATS = True
 # T=1 at 4 warps needs 79 uncapped, 72 capped without spills: 7 programs an SM instead of 6;
 # T=4 at 8 warps 145 uncapped, 128 capped with 16 B of spills: 2 programs an SM instead of 1).
 SCORE_MAX_REGS = {4: 72, 8: 128}
+# The scoring loop loads the next page's id while it scores the current page (the sm_90 TTGIR
+# of the plain loop loads it right before the next page's key copy, exposing its latency).
+DEFAULT_ID_AHEAD = True
+# Key pages in flight per scoring program minus one (2: one page loads while one is scored).
+# Without the id loaded ahead, Triton's pipeliner cannot buffer more than one page.
+DEFAULT_SCORE_STAGES = 3
 # Query columns (tokens x heads) scored by one tl.dot; bounds registers and shared memory.
 _MAX_DOT_ROWS = 256
 
@@ -118,11 +124,20 @@ def _load_query_cols(q_ptr, w_ptr, b, t0, T, H, D,
 
 
 @triton.jit
-def _score_and_store(q_cols, w_cols, keys, scale, ws_ptr, stats_ptr, b, t0, T, page, lens_ptr,
-                     sl_b, sl_t, S_MAX, N_PAGES,
+def _token_lens(lens_ptr, b, t0, T, S_MAX, sl_b, sl_t, BLOCK_T: tl.constexpr):
+    """lens[b, t0 : t0 + BLOCK_T] clamped to [0, S_MAX] (0 past T)."""
+    t = t0 + tl.arange(0, BLOCK_T)
+    lens = tl.load(lens_ptr + b * sl_b + t * sl_t, mask=t < T, other=0)
+    return tl.minimum(tl.maximum(lens, 0), S_MAX)
+
+
+@triton.jit
+def _score_and_store(q_cols, w_cols, keys, scale, ws_ptr, stats_ptr, b, t0, T, page, lens,
+                     S_MAX, N_PAGES,
                      BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, PAGE: tl.constexpr,
                      HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr, STATS: tl.constexpr):
-    """Scores of one key page for BLOCK_T tokens, stored where slot < lens[b, t]; with STATS,
+    """Scores of one key page for BLOCK_T tokens, stored where slot < lens (of tokens t0...);
+    with STATS,
     also each token's (max, min, mean, squared deviation) of the page's stored scores.
 
     Slots are the dot's M dimension and (token, head) its N dimension, so the sum over heads
@@ -134,8 +149,6 @@ def _score_and_store(q_cols, w_cols, keys, scale, ws_ptr, stats_ptr, b, t0, T, p
     if HAS_SCALE:
         scores = scores * scale[:, None]
     t = t0 + tl.arange(0, BLOCK_T)
-    lens = tl.load(lens_ptr + b * sl_b + t * sl_t, mask=t < T, other=0)
-    lens = tl.minimum(tl.maximum(lens, 0), S_MAX)
     slot = page * PAGE + tl.arange(0, PAGE)
     keep = (t[None, :] < T) & (slot[:, None] < lens[None, :])
     rows = b * T + t
@@ -156,17 +169,23 @@ def _score_and_store(q_cols, w_cols, keys, scale, ws_ptr, stats_ptr, b, t0, T, p
 
 
 @triton.jit
-def _score_page(page, q_cols, w_cols, q_ptr, w_ptr, k_ptr, ks_ptr, pt_ptr, lens_ptr, ws_ptr,
+def _page_id(pt_ptr, b, page, n_pages, spt_b, spt_j):
+    """Physical id of logical page `page` of request b (0, unread, from n_pages on)."""
+    return tl.load(pt_ptr + b * spt_b + page * spt_j, mask=page < n_pages, other=0)
+
+
+@triton.jit
+def _score_page(page, phys, lens0, q_cols, w_cols, q_ptr, w_ptr, k_ptr, ks_ptr, lens_ptr, ws_ptr,
                 stats_ptr, b, T, H, D, P, S_MAX, N_PAGES,
                 sq_b, sq_t, sq_h, sq_d, sw_b, sw_t, sw_h,
-                sk_p, sk_s, sk_d, sks_p, sks_s, spt_b, spt_j, sl_b, sl_t,
+                sk_p, sk_s, sk_d, sks_p, sks_s, sl_b, sl_t,
                 N_TBLOCKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
                 BLOCK_D: tl.constexpr, PAGE: tl.constexpr, HAS_SCALE: tl.constexpr,
                 DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, STATS: tl.constexpr):
-    """Read logical page `page` of request b once and score it for all T tokens."""
+    """Read logical page `page` (physical id `phys`) of request b once and score it for all
+    T tokens (lens0: the first token block's clamped lens)."""
     slot_in_page = tl.arange(0, PAGE)
     d = tl.arange(0, BLOCK_D)
-    phys = tl.load(pt_ptr + b * spt_b + page * spt_j)
     page_ok = (phys >= 0) & (phys < P)  # only an unchecked (captured) call can fail this
     phys = tl.where(page_ok, phys, 0).to(tl.int64)
     k_ptrs = k_ptr + phys * sk_p + slot_in_page[:, None] * sk_s + d[None, :] * sk_d
@@ -177,15 +196,16 @@ def _score_page(page, q_cols, w_cols, q_ptr, w_ptr, k_ptr, ks_ptr, pt_ptr, lens_
                         other=0.0).to(tl.float32)
     if N_TBLOCKS == 1:
         _score_and_store(q_cols, w_cols, keys, scale, ws_ptr, stats_ptr, b, 0, T, page,
-                         lens_ptr, sl_b, sl_t, S_MAX, N_PAGES, BLOCK_T, BLOCK_H, PAGE,
+                         lens0, S_MAX, N_PAGES, BLOCK_T, BLOCK_H, PAGE,
                          HAS_SCALE, PRECISION, STATS)
     else:  # many tokens: the page stays on chip while the token blocks reload their queries
         for tb in range(0, N_TBLOCKS):
             qb, wb = _load_query_cols(q_ptr, w_ptr, b, tb * BLOCK_T, T, H, D, sq_b, sq_t,
                                       sq_h, sq_d, sw_b, sw_t, sw_h, BLOCK_T, BLOCK_H,
                                       BLOCK_D, DOT_DTYPE)
+            lens = _token_lens(lens_ptr, b, tb * BLOCK_T, T, S_MAX, sl_b, sl_t, BLOCK_T)
             _score_and_store(qb, wb, keys, scale, ws_ptr, stats_ptr, b, tb * BLOCK_T, T, page,
-                             lens_ptr, sl_b, sl_t, S_MAX, N_PAGES, BLOCK_T, BLOCK_H, PAGE,
+                             lens, S_MAX, N_PAGES, BLOCK_T, BLOCK_H, PAGE,
                              HAS_SCALE, PRECISION, STATS)
 
 
@@ -198,16 +218,15 @@ def _score_pages_kernel(
     N_TBLOCKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr, PAGE: tl.constexpr, HAS_SCALE: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, FOR_LOOPS: tl.constexpr,
-    STATS: tl.constexpr,
+    STATS: tl.constexpr, ID_AHEAD: tl.constexpr,
 ):
     b = tl.program_id(0)
     split = tl.program_id(1)
     # The last slot any token of this request needs scored: only tokens with lens > TOPK.
-    needed = 0
-    for tb in range(0, N_TBLOCKS):
-        t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
-        lens = tl.load(lens_ptr + b * sl_b + t * sl_t, mask=t < T, other=0)
-        lens = tl.minimum(tl.maximum(lens, 0), S_MAX)
+    lens0 = _token_lens(lens_ptr, b, 0, T, S_MAX, sl_b, sl_t, BLOCK_T)  # kept for the loop
+    needed = tl.max(tl.where(lens0 > TOPK, lens0, 0), axis=0)
+    for tb in range(1, N_TBLOCKS):
+        lens = _token_lens(lens_ptr, b, tb * BLOCK_T, T, S_MAX, sl_b, sl_t, BLOCK_T)
         needed = tl.maximum(needed, tl.max(tl.where(lens > TOPK, lens, 0), axis=0))
     n_pages = (needed + PAGE - 1) // PAGE
 
@@ -218,23 +237,34 @@ def _score_pages_kernel(
             q_cols, w_cols = _load_query_cols(q_ptr, w_ptr, b, 0, T, H, D, sq_b, sq_t, sq_h,
                                               sq_d, sw_b, sw_t, sw_h, BLOCK_T, BLOCK_H, BLOCK_D,
                                               DOT_DTYPE)
+        # With ID_AHEAD the next page's id is loaded while this page is scored, so the
+        # pipelined key load for the next page does not first wait for its id.
+        nxt = _page_id(pt_ptr, b, split, n_pages, spt_b, spt_j)
         if FOR_LOOPS:  # software-pipelined on the GPU
             for page in range(split, n_pages, SPLITS):
-                _score_page(page, q_cols, w_cols, q_ptr, w_ptr, k_ptr, ks_ptr, pt_ptr,
+                if ID_AHEAD:
+                    phys = nxt
+                    nxt = _page_id(pt_ptr, b, page + SPLITS, n_pages, spt_b, spt_j)
+                else:
+                    phys = _page_id(pt_ptr, b, page, n_pages, spt_b, spt_j)
+                _score_page(page, phys, lens0, q_cols, w_cols, q_ptr, w_ptr, k_ptr, ks_ptr,
                             lens_ptr, ws_ptr, stats_ptr, b, T, H, D, P, S_MAX, N_PAGES,
-                            sq_b, sq_t, sq_h, sq_d,
-                            sw_b, sw_t, sw_h,
-                            sk_p, sk_s, sk_d, sks_p, sks_s, spt_b, spt_j, sl_b, sl_t,
+                            sq_b, sq_t, sq_h, sq_d, sw_b, sw_t, sw_h,
+                            sk_p, sk_s, sk_d, sks_p, sks_s, sl_b, sl_t,
                             N_TBLOCKS, BLOCK_T, BLOCK_H, BLOCK_D, PAGE, HAS_SCALE, DOT_DTYPE,
                             PRECISION, STATS)
         else:  # the interpreter (numpy >= 2.4) cannot take its 1-element tensors as range()
             page = split
             while page < n_pages:
-                _score_page(page, q_cols, w_cols, q_ptr, w_ptr, k_ptr, ks_ptr, pt_ptr,
+                if ID_AHEAD:
+                    phys = nxt
+                    nxt = _page_id(pt_ptr, b, page + SPLITS, n_pages, spt_b, spt_j)
+                else:
+                    phys = _page_id(pt_ptr, b, page, n_pages, spt_b, spt_j)
+                _score_page(page, phys, lens0, q_cols, w_cols, q_ptr, w_ptr, k_ptr, ks_ptr,
                             lens_ptr, ws_ptr, stats_ptr, b, T, H, D, P, S_MAX, N_PAGES,
-                            sq_b, sq_t, sq_h, sq_d,
-                            sw_b, sw_t, sw_h,
-                            sk_p, sk_s, sk_d, sks_p, sks_s, spt_b, spt_j, sl_b, sl_t,
+                            sq_b, sq_t, sq_h, sq_d, sw_b, sw_t, sw_h,
+                            sk_p, sk_s, sk_d, sks_p, sks_s, sl_b, sl_t,
                             N_TBLOCKS, BLOCK_T, BLOCK_H, BLOCK_D, PAGE, HAS_SCALE, DOT_DTYPE,
                             PRECISION, STATS)
                 page += SPLITS
@@ -283,9 +313,10 @@ def indexer_scores_triton(
     splits: int | None = None,
     workspace: torch.Tensor | None = None,
     num_warps: int | None = None,
-    num_stages: int = 2,
+    num_stages: int = DEFAULT_SCORE_STAGES,
     block_stats: torch.Tensor | None = None,
     max_regs: int | None = None,
+    id_ahead: bool = DEFAULT_ID_AHEAD,
 ):
     """Launch the scoring kernel; returns (workspace [B, T, max_pages * 64] f32, the kernel).
 
@@ -297,7 +328,8 @@ def indexer_scores_triton(
     `block_stats`, a contiguous [B * T, max_pages, 4] f32 tensor, also receives, for each page
     read and token, (max, min, mean, squared deviation from the mean) of the scores written on
     that page (the `block_stats` of kernels/topk_select.py); other entries are left unwritten.
-    `max_regs` caps the registers a thread (default SCORE_MAX_REGS by warps; 0: no cap).
+    `max_regs` caps the registers a thread (default SCORE_MAX_REGS by warps; 0: no cap);
+    `id_ahead` loads each next page's id one page ahead.
     """
     batch, tokens, heads, head_dim = q.shape
     max_pages = page_table.shape[1]
@@ -322,7 +354,7 @@ def indexer_scores_triton(
         N_TBLOCKS=triton.cdiv(tokens, block_t), BLOCK_T=block_t, BLOCK_H=block_h,
         BLOCK_D=triton.next_power_of_2(head_dim), PAGE=PAGE_SIZE, HAS_SCALE=has_scale,
         DOT_DTYPE=dot_dtype, PRECISION=precision, FOR_LOOPS=q.is_cuda,
-        STATS=block_stats is not None, num_warps=warps, num_stages=num_stages,
+        STATS=block_stats is not None, ID_AHEAD=id_ahead, num_warps=warps, num_stages=num_stages,
         maxnreg=SCORE_MAX_REGS.get(warps) if max_regs is None else (max_regs or None),
     )
     return workspace, kernel
@@ -345,8 +377,9 @@ def indexer_topk_triton(
     split_block: int = DEFAULT_SPLIT_BLOCK,
     fuse_stats: bool = DEFAULT_FUSE_STATS,
     score_warps: int | None = None,
-    score_stages: int = 2,
+    score_stages: int = DEFAULT_SCORE_STAGES,
     score_max_regs: int | None = None,
+    id_ahead: bool = DEFAULT_ID_AHEAD,
 ) -> tuple[torch.Tensor, list]:
     """Launch the scoring and selection kernels; returns (idx [B, T, topk] int32, the kernels).
 
@@ -357,8 +390,8 @@ def indexer_topk_triton(
     number of scoring programs per request, `chunk`, `select_warps` and `split_block` the
     selection's slots and warps per program and the split kernel's slots at a time;
     `fuse_stats` has the scoring kernel write each page's score statistics for the selection
-    (which then skips its own statistics pass); `score_warps`, `score_stages` and
-    `score_max_regs` override the scoring kernel's launch config.
+    (which then skips its own statistics pass); `score_warps`, `score_stages`,
+    `score_max_regs` and `id_ahead` override the scoring kernel's launch config.
     """
     batch, tokens = q.shape[:2]
     if out is None:
@@ -372,7 +405,8 @@ def indexer_topk_triton(
     workspace, score = indexer_scores_triton(q, weights, k_cache, k_scale, page_table, lens,
                                              topk, splits=splits, workspace=workspace,
                                              num_warps=score_warps, num_stages=score_stages,
-                                             block_stats=stats, max_regs=score_max_regs)
+                                             block_stats=stats, max_regs=score_max_regs,
+                                             id_ahead=id_ahead)
     select = select_topk_triton(workspace, lens, topk, out, chunk=chunk, num_warps=select_warps,
                                 split_block=split_block, block_stats=stats)
     return out, [score, *select]

@@ -75,11 +75,12 @@ def indexer_cases(draw):
     chunk = draw(st.sampled_from([32, mod.DEFAULT_CHUNK]))  # 32: rows span several chunks
     split_block = draw(st.sampled_from([16, mod.DEFAULT_SPLIT_BLOCK]))
     fuse_stats = draw(st.booleans())
+    id_ahead = draw(st.booleans())
     seed = draw(st.integers(0, 2**31 - 1))
     return dict(batch=batch, tokens=tokens, heads=heads, dim=dim, max_pages=max_pages,
                 pages=pages, topk=topk, lens=lens, q_dtype=q_dtype, k_dtype=k_dtype,
                 strided_q=strided_q, chunk=chunk, split_block=split_block,
-                fuse_stats=fuse_stats, seed=seed)
+                fuse_stats=fuse_stats, id_ahead=id_ahead, seed=seed)
 
 
 def build(case):
@@ -110,7 +111,7 @@ def test_kernel_matches_reference(case):
     workspace = torch.full((b, t, slots), float("nan"))  # unwritten scores must not be read
     idx, _ = mod.indexer_topk_triton(*args, topk, out=out, workspace=workspace,
                                      chunk=case["chunk"], split_block=case["split_block"],
-                                     fuse_stats=case["fuse_stats"])
+                                     fuse_stats=case["fuse_stats"], id_ahead=case["id_ahead"])
     assert idx.data_ptr() == out.data_ptr()
     scores = mod.indexer_scores_reference(*args)
     assert_topk_valid(idx, scores, args[5], topk)
@@ -119,8 +120,9 @@ def test_kernel_matches_reference(case):
     assert_topk_valid(mod.indexer_topk_reference(*args, topk), scores, args[5], topk)
 
 
+@pytest.mark.parametrize("id_ahead", [True, False])
 @given(st.integers(0, 2**31 - 1), st.sampled_from([FP8, torch.bfloat16, torch.float32]))
-def test_scores_match_reference(seed, k_dtype):
+def test_scores_match_reference(id_ahead, seed, k_dtype):
     """The scoring kernel writes the reference scores for s < lens on the pages it reads, and
     reads no page for a request whose tokens all have lens <= topk; so are the per-page
     statistics of those scores."""
@@ -130,7 +132,7 @@ def test_scores_match_reference(seed, k_dtype):
     args = build(case)
     ws = torch.full((3, 2, 3 * PAGE), float("nan"))
     stats = torch.full((6, 3, 4), float("nan"))
-    mod.indexer_scores_triton(*args, 10, workspace=ws, block_stats=stats)
+    mod.indexer_scores_triton(*args, 10, workspace=ws, block_stats=stats, id_ahead=id_ahead)
     ref = mod.indexer_scores_reference(*args)
     ref_stats = block_stats_reference(torch.where(torch.isfinite(ref), ref, 0.0), args[5])
     for (b, t), n in {(0, 0): 192, (0, 1): 70, (1, 0): 5, (1, 1): 150}.items():
