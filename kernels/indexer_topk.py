@@ -35,9 +35,9 @@ _Q_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.float32)
 _K_DTYPES = (torch.float8_e4m3fn, torch.bfloat16, torch.float32)
 # The scoring kernel writes each page's score statistics, so the selection skips that pass.
 DEFAULT_FUSE_STATS = True
-# Register cap of the scoring kernel by its warps (sm_90 cross-compiles, fp8, H=64, stats on:
-# T=1 at 4 warps needs 79 uncapped, 72 capped without spills: 7 programs an SM instead of 6;
-# T=4 at 8 warps 145 uncapped, 128 capped with 16 B of spills: 2 programs an SM instead of 1).
+# Register cap of the scoring kernel by its warps (sm_90 cross-compiles, fp8, H=64, stats on,
+# 2-3 stages, no spills when capped: T=1 at 4 warps takes 79 uncapped, 72 capped, so 7
+# programs an SM fit instead of 6; T=4 at 8 warps 150-154 uncapped, 128 capped: 2 instead of 1).
 SCORE_MAX_REGS = {4: 72, 8: 128}
 # The scoring loop loads the next page's id while it scores the current page (the sm_90 TTGIR
 # of the plain loop loads it right before the next page's key copy, exposing its latency).
@@ -136,9 +136,9 @@ def _score_and_store(q_cols, w_cols, keys, scale, ws_ptr, stats_ptr, b, t0, T, p
                      S_MAX, N_PAGES,
                      BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, PAGE: tl.constexpr,
                      HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr, STATS: tl.constexpr):
-    """Scores of one key page for BLOCK_T tokens, stored where slot < lens (of tokens t0...);
-    with STATS,
-    also each token's (max, min, mean, squared deviation) of the page's stored scores.
+    """Scores of one key page for tokens t0 ... t0 + BLOCK_T - 1, stored where slot < their
+    clamped `lens`; with STATS, also each token's (max, min, mean, squared deviation) of the
+    page's stored scores.
 
     Slots are the dot's M dimension and (token, head) its N dimension, so the sum over heads
     reduces along the accumulator's rows (mostly within a thread).
