@@ -35,16 +35,18 @@ _Q_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.float32)
 _K_DTYPES = (torch.float8_e4m3fn, torch.bfloat16, torch.float32)
 # The scoring kernel writes each page's score statistics, so the selection skips that pass.
 DEFAULT_FUSE_STATS = True
-# Register cap of the scoring kernel by its warps (sm_90 cross-compiles, fp8, H=64, stats on,
-# 2-3 stages, no spills when capped: T=1 at 4 warps takes 79 uncapped, 72 capped, so 7
-# programs an SM fit instead of 6; T=4 at 8 warps 150-154 uncapped, 128 capped: 2 instead of 1).
-SCORE_MAX_REGS = {4: 72, 8: 128}
+# Register cap of the scoring kernel with fp8 dots, by its warps (sm_90 cross-compiles, H=64,
+# stats on, 2-3 stages, no spills when capped: T=1 at 4 warps takes 79 uncapped, 72 capped, so
+# 7 programs an SM fit instead of 6; T=4 at 8 warps 150-154 uncapped, 128 capped: 2 instead
+# of 1). bf16 dots spill 200+ B under these caps, so they run uncapped.
+FP8_SCORE_MAX_REGS = {4: 72, 8: 128}
 # The scoring loop loads the next page's id while it scores the current page (the sm_90 TTGIR
 # of the plain loop loads it right before the next page's key copy, exposing its latency).
 DEFAULT_ID_AHEAD = True
-# Key pages in flight per scoring program minus one (2: one page loads while one is scored).
-# Without the id loaded ahead, Triton's pipeliner cannot buffer more than one page.
-DEFAULT_SCORE_STAGES = 3
+# Key pages in flight per scoring program with fp8 dots, minus one (2: one page loads while one
+# is scored); without the id loaded ahead, Triton's pipeliner cannot buffer more than one page.
+# Other dots keep 2 stages: their bf16 query tile leaves no shared memory for a third at T=4.
+FP8_SCORE_STAGES = 3
 # Query columns (tokens x heads) scored by one tl.dot; bounds registers and shared memory.
 _MAX_DOT_ROWS = 256
 
@@ -313,7 +315,7 @@ def indexer_scores_triton(
     splits: int | None = None,
     workspace: torch.Tensor | None = None,
     num_warps: int | None = None,
-    num_stages: int = DEFAULT_SCORE_STAGES,
+    num_stages: int | None = None,
     block_stats: torch.Tensor | None = None,
     max_regs: int | None = None,
     id_ahead: bool = DEFAULT_ID_AHEAD,
@@ -324,11 +326,13 @@ def indexer_scores_triton(
     request b: those below ceil(n / 64), n the largest lens[b, :] above topk (none if no token
     of the request has more than topk visible slots). Every other element is left unwritten.
     Arguments as `indexer_topk_triton`; `workspace` may be a caller's contiguous
-    [B, T, max_pages * 64] f32 tensor; num_warps and num_stages override the launch config.
+    [B, T, max_pages * 64] f32 tensor; num_warps and num_stages (default FP8_SCORE_STAGES for
+    fp8 dots, else 2) override the launch config.
     `block_stats`, a contiguous [B * T, max_pages, 4] f32 tensor, also receives, for each page
     read and token, (max, min, mean, squared deviation from the mean) of the scores written on
     that page (the `block_stats` of kernels/topk_select.py); other entries are left unwritten.
-    `max_regs` caps the registers a thread (default SCORE_MAX_REGS by warps; 0: no cap);
+    `max_regs` caps the registers a thread (default FP8_SCORE_MAX_REGS by warps for fp8 dots,
+    else none; 0: no cap);
     `id_ahead` loads each next page's id one page ahead.
     """
     batch, tokens, heads, head_dim = q.shape
@@ -342,6 +346,10 @@ def indexer_scores_triton(
     splits = splits or default_splits(batch, max_pages, q.device)
     dot_dtype, precision = _dot_dtype(q, k_cache)
     warps = num_warps or (8 if rows >= 128 else 4)
+    fp8 = dot_dtype == tl.float8e4nv
+    stages = num_stages or (FP8_SCORE_STAGES if fp8 else 2)
+    if max_regs is None:
+        max_regs = FP8_SCORE_MAX_REGS.get(warps, 0) if fp8 else 0
     has_scale = k_scale is not None
     ks = k_scale if has_scale else k_cache  # unused pointer when there is no scale
     ks_strides = (k_scale.stride(0), k_scale.stride(1)) if has_scale else (0, 0)
@@ -354,8 +362,8 @@ def indexer_scores_triton(
         N_TBLOCKS=triton.cdiv(tokens, block_t), BLOCK_T=block_t, BLOCK_H=block_h,
         BLOCK_D=triton.next_power_of_2(head_dim), PAGE=PAGE_SIZE, HAS_SCALE=has_scale,
         DOT_DTYPE=dot_dtype, PRECISION=precision, FOR_LOOPS=q.is_cuda,
-        STATS=block_stats is not None, ID_AHEAD=id_ahead, num_warps=warps, num_stages=num_stages,
-        maxnreg=SCORE_MAX_REGS.get(warps) if max_regs is None else (max_regs or None),
+        STATS=block_stats is not None, ID_AHEAD=id_ahead, num_warps=warps, num_stages=stages,
+        maxnreg=max_regs or None,
     )
     return workspace, kernel
 
@@ -377,7 +385,7 @@ def indexer_topk_triton(
     split_block: int = DEFAULT_SPLIT_BLOCK,
     fuse_stats: bool = DEFAULT_FUSE_STATS,
     score_warps: int | None = None,
-    score_stages: int = DEFAULT_SCORE_STAGES,
+    score_stages: int | None = None,
     score_max_regs: int | None = None,
     id_ahead: bool = DEFAULT_ID_AHEAD,
 ) -> tuple[torch.Tensor, list]:
