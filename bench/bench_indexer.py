@@ -256,6 +256,7 @@ SELECT_CONFIGS = (
     dict(select_warps=8),
     dict(chunk=4096, select_warps=8),
     dict(chunk=1024),
+    dict(select_programs=16),  # one program per chunk at 128K (2048-slot chunks)
 )
 
 
@@ -301,6 +302,7 @@ def sweep_select(mod, bench, device, heads, dim, max_pages, topk, smoke) -> str:
                                                   topk_select.DEFAULT_SELECT_WARPS),
                                  split_block=kw.get("split_block",
                                                     topk_select.DEFAULT_SPLIT_BLOCK),
+                                 programs=kw.get("select_programs"),
                                  block_stats=stats if kw.get("fuse_stats",
                                                              mod.DEFAULT_FUSE_STATS) else None)
                 op_us = bench(lambda: mod.indexer_topk_triton(*inputs, topk, **kw), graph=True)

@@ -383,6 +383,7 @@ def indexer_topk_triton(
     chunk: int = DEFAULT_CHUNK,
     select_warps: int = DEFAULT_SELECT_WARPS,
     split_block: int = DEFAULT_SPLIT_BLOCK,
+    select_programs: int | None = None,
     fuse_stats: bool = DEFAULT_FUSE_STATS,
     score_warps: int | None = None,
     score_stages: int | None = None,
@@ -396,7 +397,8 @@ def indexer_topk_triton(
     pre-poisoned [B, T, topk] int32 contiguous tensor to write into, `workspace` a
     (pre-poisoned) contiguous [B, T, max_pages * 64] f32 score buffer; `splits` overrides the
     number of scoring programs per request, `chunk`, `select_warps` and `split_block` the
-    selection's slots and warps per program and the split kernel's slots at a time;
+    selection's slots and warps per program and the split kernel's slots at a time,
+    `select_programs` its programs per row (default `programs_per_row`);
     `fuse_stats` has the scoring kernel write each page's score statistics for the selection
     (which then skips its own statistics pass); `score_warps`, `score_stages`,
     `score_max_regs` and `id_ahead` override the scoring kernel's launch config.
@@ -416,7 +418,8 @@ def indexer_topk_triton(
                                              block_stats=stats, max_regs=score_max_regs,
                                              id_ahead=id_ahead)
     select = select_topk_triton(workspace, lens, topk, out, chunk=chunk, num_warps=select_warps,
-                                split_block=split_block, block_stats=stats)
+                                split_block=split_block, programs=select_programs,
+                                block_stats=stats)
     return out, [score, *select]
 
 
