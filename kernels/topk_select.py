@@ -17,8 +17,8 @@ length are skipped, so the work follows the real length, not the workspace's wid
   3. `_chunk_split_kernel`: every program sums the row's chunk histograms and finds the
      threshold bin, the one where the count from the top reaches topk. Scores above it are
      written straight to `out` (at the count of such scores in earlier chunks plus their rank
-     within the chunk, `split_block` slots at a time); scores in it are copied, with their slots, into a candidate list of
-     at most `cap` per row.
+     within the chunk, `split_block` slots at a time); scores in it are copied, with their
+     slots, into a candidate list of at most `cap` per row.
   4. `_finish_kernel`, one program per row: a radix select (8 bits a pass, `tl.histogram`) of
      the missing ones among the candidates. When the threshold bin holds more than `cap`
      scores (many ties, or most scores packed in a sliver of the binned range), it runs over
