@@ -2,8 +2,9 @@
 
 Run on the H200: `python bench/bench_indexer.py --out DIR` (about 2-3 minutes).
 Check the script on CPU: `TRITON_INTERPRET=1 python bench/bench_indexer.py --smoke --out DIR`.
-`--sweep` times the top-k selection's configs (chunk slots x warps) instead, at B=64, contexts
-512/8K/128K, T=1/4, fp8 (about 2 minutes); `--sweep-score` the scoring kernel's launch configs.
+`--sweep` times the op's launch variants (SELECT_CONFIGS: selection chunk, warps and split
+block, fused statistics, scoring register cap) instead, at B=64, contexts 512/128K, T=1/4, fp8;
+`--sweep-score` the scoring kernel's launch variants (SCORE_CONFIGS) at B=64, 128K, fp8.
 
 For each batch B, real context (tokens) and query tokens T, at max context 1M (4097 pages of 64
 compressed slots), H=64 index heads, D=128, fp8 e4m3 keys with f32 scales:
@@ -149,10 +150,11 @@ def main() -> int:
     parser.add_argument("--heads", type=int, default=64)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--sweep", action="store_true",
-                        help="only time the top-k selection's configs (chunk, warps) at B=64, "
-                             "contexts 512/8K/128K, T=1/4 (about 2 minutes on the H200)")
+                        help="only time the op's launch variants (SELECT_CONFIGS) at B=64, "
+                             "contexts 512/128K, T=1/4, fp8")
     parser.add_argument("--sweep-score", action="store_true",
-                        help="only time launch-config variants of the scoring kernel at B=64, 128K")
+                        help="only time the scoring kernel's launch variants (SCORE_CONFIGS) "
+                             "at B=64, 128K, fp8, T=1/4")
     args = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -238,21 +240,42 @@ def main() -> int:
     return 0
 
 
-# (chunk slots, num_warps) of the selection's chunk kernels; the first is the default.
-SELECT_CONFIGS = ((2048, 8), (2048, 4), (4096, 8), (1024, 4), (1024, 8))
+# Launch variants of the whole op (keyword arguments of indexer_topk_triton) for --sweep; the
+# first is the current default, the second the defaults before the fused statistics, the page
+# id loaded ahead and the split kernel's blocks.
+SELECT_CONFIGS = (
+    dict(),
+    dict(chunk=2048, select_warps=4, split_block=2048, fuse_stats=False, score_max_regs=0,
+         id_ahead=False, score_stages=2),
+    dict(fuse_stats=False),
+    dict(score_stages=2),
+    dict(score_stages=4),
+    dict(score_max_regs=0),
+    dict(split_block=256),
+    dict(split_block=1024),
+    dict(select_warps=8),
+    dict(chunk=4096, select_warps=8),
+    dict(chunk=1024),
+    dict(select_programs=16),  # one program per chunk at 128K (2048-slot chunks)
+)
+
+
+def _config_name(kw: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in kw.items()) or "default"
 
 
 def sweep_select(mod, bench, device, heads, dim, max_pages, topk, smoke) -> str:
-    """At B=64, fp8 q and keys, contexts 512/8K/128K x T=1/4: for each selection config, the
-    whole op and the selection alone (on a fixed score workspace), as CUDA-graph replays, each
-    config's answer checked against the reference first; shared memory of every config."""
+    """At B=64, fp8 q and keys, contexts 512/128K x T=1/4: for each SELECT_CONFIGS variant,
+    the whole op and the selection alone (on a fixed score workspace, with that variant's
+    statistics), as CUDA-graph replays, each variant's answer checked against the reference
+    first; shared memory of every compiled kernel."""
     from dsv4_compile.kernels import topk_select
 
-    batch, contexts = (2, (128, 1000)) if smoke else (64, (512, 8192, 131072))
+    batch, contexts = (2, (128, 1000)) if smoke else (64, (512, 131072))
     q_dtype = torch.float8_e4m3fn
     gen = torch.Generator(device=device).manual_seed(1)
-    lines = ["| ctx | T | chunk | warps | op us | select us | op vs T=1 | byte floor us "
-             "| rel err |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| ctx | T | variant | op us | select us | op vs T=1 | byte floor us | rel err |",
+             "|---|---|---|---|---|---|---|---|"]
     shared = {}
     t1_times = {}
     for context in contexts:
@@ -260,64 +283,93 @@ def sweep_select(mod, bench, device, heads, dim, max_pages, topk, smoke) -> str:
             inputs = make_inputs(batch, context, tokens, heads, dim, max_pages, q_dtype, device,
                                  gen)
             scores = reference_scores(inputs, mod)
-            workspace, _ = mod.indexer_scores_triton(*inputs, topk)
             lens = inputs[5]
+            stats = torch.empty((batch * tokens, max_pages, 4), dtype=torch.float32,
+                                device=device)
+            workspace, _ = mod.indexer_scores_triton(*inputs, topk, block_stats=stats)
             byte_us, _ = floors(batch, tokens, heads, dim, lens, topk, inputs[0].element_size())
-            for chunk, warps in SELECT_CONFIGS:
-                kw = dict(chunk=chunk, select_warps=warps)
+            for index, kw in enumerate(SELECT_CONFIGS):
                 idx, kernels = mod.indexer_topk_triton(*inputs, topk, **kw)
                 err = check_selection(idx, inputs, topk, mod, q_dtype, scores=scores)
                 for kernel in kernels:
                     if hasattr(kernel, "metadata"):
                         used = kernel.metadata.shared
-                        shared[(kernel.name, chunk, kernel.metadata.num_warps)] = used
-                        assert used <= SMEM_LIMIT, (kernel.name, chunk, warps, used)
+                        shared[(kernel.name, kernel.hash)] = (index, used)
+                        assert used <= SMEM_LIMIT, (kernel.name, kw, used)
                 out = torch.empty_like(idx)
+                select_kw = dict(chunk=kw.get("chunk", topk_select.DEFAULT_CHUNK),
+                                 num_warps=kw.get("select_warps",
+                                                  topk_select.DEFAULT_SELECT_WARPS),
+                                 split_block=kw.get("split_block",
+                                                    topk_select.DEFAULT_SPLIT_BLOCK),
+                                 programs=kw.get("select_programs"),
+                                 block_stats=stats if kw.get("fuse_stats",
+                                                             mod.DEFAULT_FUSE_STATS) else None)
                 op_us = bench(lambda: mod.indexer_topk_triton(*inputs, topk, **kw), graph=True)
                 select_us = bench(lambda: topk_select.select_topk_triton(
-                    workspace, lens, topk, out, chunk=chunk, num_warps=warps), graph=True)
+                    workspace, lens, topk, out, **select_kw), graph=True)
                 if tokens == 1:
-                    t1_times[(context, chunk, warps)] = op_us
-                vs_t1 = op_us / t1_times[(context, chunk, warps)]
-                lines.append(f"| {context} | {tokens} | {chunk} | {warps} | {op_us:.1f} | "
-                             f"{select_us:.1f} | {vs_t1:.2f} | {byte_us:.1f} | {err:.1e} |")
-            del inputs, scores, workspace
+                    t1_times[(context, index)] = op_us
+                vs_t1 = op_us / t1_times[(context, index)]
+                lines.append(f"| {context} | {tokens} | {index}: {_config_name(kw)} | "
+                             f"{op_us:.1f} | {select_us:.1f} | {vs_t1:.2f} | {byte_us:.1f} | "
+                             f"{err:.1e} |")
+            del inputs, scores, workspace, stats
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    smem = ["", "| kernel | chunk | num_warps | shared B (limit 101376) |", "|---|---|---|---|"]
-    smem += [f"| {name} | {chunk} | {warps} | {b} |" for (name, chunk, warps), b in shared.items()]
-    smem = smem if shared else smem + ["| (interpreter: nothing compiled) | | | |"]
+    smem = ["", "| kernel | first variant | shared B (limit 101376) |", "|---|---|---|"]
+    smem += [f"| {name} | {index} | {b} |" for (name, _), (index, b) in shared.items()]
+    smem = smem if shared else smem + ["| (interpreter: nothing compiled) | | |"]
     return "\n".join(lines + smem) + "\n"
 
 
+# Scoring kernel variants for --sweep-score (keyword arguments of indexer_scores_triton, with
+# stats: write the page statistics, mult: splits as a multiple of the default); the first is
+# the current default launch, the second the one before the fused statistics and page ids
+# loaded ahead.
+_DEFAULT_SCORE = dict(stats=True, max_regs=None, id_ahead=True, num_warps=None, num_stages=3,
+                      mult=1)
+SCORE_CONFIGS = (
+    _DEFAULT_SCORE,
+    dict(stats=False, max_regs=0, id_ahead=False, num_warps=None, num_stages=2, mult=1),
+    dict(_DEFAULT_SCORE, id_ahead=False, num_stages=2, max_regs=0),
+    dict(_DEFAULT_SCORE, id_ahead=False, num_stages=2),
+    dict(_DEFAULT_SCORE, stats=False),
+    dict(_DEFAULT_SCORE, max_regs=0),
+) + tuple(dict(_DEFAULT_SCORE, num_warps=warps, num_stages=stages, mult=mult)
+          for warps in (4, 8) for stages in (2, 3, 4) for mult in (1, 2))
+
+
 def sweep_score(mod, bench, device, heads, dim, max_pages, topk, smoke) -> str:
-    """Times of the scoring kernel (splits x warps x stages) at the largest size, each variant
-    checked against the default launch first."""
+    """Times of the scoring kernel's launch variants (SCORE_CONFIGS) at B=64, 128K, fp8,
+    T=1/4, each checked against the default launch's scores first; shared memory and
+    registers of each compiled variant."""
     batch, context = (2, 1000) if smoke else (64, 131072)
     gen = torch.Generator(device=device).manual_seed(1)
-    lines = ["| T | q | variant | us |", "|---|---|---|---|"]
+    lines = ["| T | variant | us | regs | shared B |", "|---|---|---|---|---|"]
+    q_dtype = torch.float8_e4m3fn
     for tokens in (1, 4):
-        for q_dtype in (torch.bfloat16, torch.float8_e4m3fn):
-            inputs = make_inputs(batch, context, tokens, heads, dim, max_pages, q_dtype, device, gen)
-            lens = inputs[5]
-            base = mod.default_splits(batch, max_pages, device)
-            ref_ws, _ = mod.indexer_scores_triton(*inputs, topk)
-            valid = torch.arange(ref_ws.shape[-1], device=device) < lens[..., None]
-            name = str(q_dtype).split(".")[-1]
-            for mult in (1, 2, 4):
-                for warps in (4, 8):
-                    for stages in (1, 2, 3):
-                        kw = dict(splits=base * mult, num_warps=warps, num_stages=stages)
-                        try:
-                            ws, _ = mod.indexer_scores_triton(*inputs, topk, **kw)
-                        except Exception as exc:  # a config that does not compile
-                            lines.append(f"| {tokens} | {name} | {kw} | {type(exc).__name__} |")
-                            continue
-                        assert torch.equal(ws[valid], ref_ws[valid]) or q_dtype != torch.bfloat16 \
-                            or torch.allclose(ws[valid], ref_ws[valid], rtol=1e-5, atol=1e-3)
-                        us = bench(lambda: mod.indexer_scores_triton(*inputs, topk, **kw), graph=True)
-                        lines.append(f"| {tokens} | {name} | {kw} | {us:.1f} |")
-            del inputs, ref_ws
+        inputs = make_inputs(batch, context, tokens, heads, dim, max_pages, q_dtype, device, gen)
+        lens = inputs[5]
+        base = mod.default_splits(batch, max_pages, device)
+        ref_ws, _ = mod.indexer_scores_triton(*inputs, topk)
+        valid = torch.arange(ref_ws.shape[-1], device=device) < lens[..., None]
+        stats = torch.empty((batch * tokens, max_pages, 4), dtype=torch.float32, device=device)
+        for config in SCORE_CONFIGS:
+            kw = dict(config)
+            kw["splits"] = base * kw.pop("mult")
+            kw["block_stats"] = stats if kw.pop("stats") else None
+            ws, kernel = mod.indexer_scores_triton(*inputs, topk, **kw)
+            # fp8 MMA accumulation order may differ between launch configs
+            assert torch.allclose(ws[valid], ref_ws[valid], rtol=1e-3, atol=1e-2), config
+            meta = getattr(kernel, "metadata", None)
+            shared = meta.shared if meta else 0
+            assert shared <= SMEM_LIMIT, (config, shared)
+            us = bench(lambda: mod.indexer_scores_triton(*inputs, topk, **kw), graph=True)
+            name = ", ".join(f"{k}={v}" for k, v in config.items())
+            lines.append(f"| {tokens} | {name} | {us:.1f} | {getattr(kernel, 'n_regs', '-')} | "
+                         f"{shared} |")
+        del inputs, ref_ws, stats
     return "\n".join(lines) + "\n"
 
 

@@ -9,7 +9,9 @@ Kernels, all on static grids (capture-safe):
      split, split + splits, ... below the request's last NEEDED page, reads each key page once
      and scores it for all T query tokens of the request, writing f32 scores into a workspace
      [B, T, max_pages * 64] only for s < lens[b, t]. A token with lens <= topk needs no score
-     (its answer is every visible slot), so it does not extend the pages read.
+     (its answer is every visible slot), so it does not extend the pages read. With
+     `fuse_stats` it also writes each (token, page)'s score statistics (max, min, mean,
+     squared deviation), from which the selection places its bins, skipping its first pass.
   2. the row top-k of kernels/topk_select.py: each row is split into chunks handled by separate
      programs (bin histograms, then a compaction of the sure picks and of the threshold bin's
      candidates), and one program per row finishes the selection among the few candidates.
@@ -22,7 +24,8 @@ import triton
 import triton.language as tl
 
 from dsv4_compile.kernels._runtime import triton_runs_on
-from dsv4_compile.kernels.topk_select import DEFAULT_CHUNK, DEFAULT_SELECT_WARPS, select_topk_triton
+from dsv4_compile.kernels.topk_select import (DEFAULT_CHUNK, DEFAULT_SELECT_WARPS,
+                                              DEFAULT_SPLIT_BLOCK, select_topk_triton)
 
 PAGE_SIZE = 64
 MAX_TOPK = 2048
@@ -30,6 +33,20 @@ MIN_HEADS, MAX_HEADS = 4, 128
 MAX_HEAD_DIM = 256
 _Q_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.float32)
 _K_DTYPES = (torch.float8_e4m3fn, torch.bfloat16, torch.float32)
+# The scoring kernel writes each page's score statistics, so the selection skips that pass.
+DEFAULT_FUSE_STATS = True
+# Register cap of the scoring kernel with fp8 dots, by its warps (sm_90 cross-compiles, H=64,
+# stats on, 2-3 stages, no spills when capped: T=1 at 4 warps takes 79 uncapped, 72 capped, so
+# 7 programs an SM fit instead of 6; T=4 at 8 warps 150-154 uncapped, 128 capped: 2 instead
+# of 1). bf16 dots spill 200+ B under these caps, so they run uncapped.
+FP8_SCORE_MAX_REGS = {4: 72, 8: 128}
+# The scoring loop loads the next page's id while it scores the current page (the sm_90 TTGIR
+# of the plain loop loads it right before the next page's key copy, exposing its latency).
+DEFAULT_ID_AHEAD = True
+# Key pages in flight per scoring program with fp8 dots, minus one (2: one page loads while one
+# is scored); without the id loaded ahead, Triton's pipeliner cannot buffer more than one page.
+# Other dots keep 2 stages: their bf16 query tile leaves no shared memory for a third at T=4.
+FP8_SCORE_STAGES = 3
 # Query columns (tokens x heads) scored by one tl.dot; bounds registers and shared memory.
 _MAX_DOT_ROWS = 256
 
@@ -109,11 +126,21 @@ def _load_query_cols(q_ptr, w_ptr, b, t0, T, H, D,
 
 
 @triton.jit
-def _score_and_store(q_cols, w_cols, keys, scale, ws_ptr, b, t0, T, slot0, lens_ptr,
-                     sl_b, sl_t, S_MAX,
+def _token_lens(lens_ptr, b, t0, T, S_MAX, sl_b, sl_t, BLOCK_T: tl.constexpr):
+    """lens[b, t0 : t0 + BLOCK_T] clamped to [0, S_MAX] (0 past T)."""
+    t = t0 + tl.arange(0, BLOCK_T)
+    lens = tl.load(lens_ptr + b * sl_b + t * sl_t, mask=t < T, other=0)
+    return tl.minimum(tl.maximum(lens, 0), S_MAX)
+
+
+@triton.jit
+def _score_and_store(q_cols, w_cols, keys, scale, ws_ptr, stats_ptr, b, t0, T, page, lens,
+                     S_MAX, N_PAGES,
                      BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, PAGE: tl.constexpr,
-                     HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr):
-    """Scores of one key page for BLOCK_T tokens, stored where slot < lens[b, t].
+                     HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr, STATS: tl.constexpr):
+    """Scores of one key page for tokens t0 ... t0 + BLOCK_T - 1, stored where slot < their
+    clamped `lens`; with STATS, also each token's (max, min, mean, squared deviation) of the
+    page's stored scores.
 
     Slots are the dot's M dimension and (token, head) its N dimension, so the sum over heads
     reduces along the accumulator's rows (mostly within a thread).
@@ -124,25 +151,43 @@ def _score_and_store(q_cols, w_cols, keys, scale, ws_ptr, b, t0, T, slot0, lens_
     if HAS_SCALE:
         scores = scores * scale[:, None]
     t = t0 + tl.arange(0, BLOCK_T)
-    lens = tl.load(lens_ptr + b * sl_b + t * sl_t, mask=t < T, other=0)
-    lens = tl.minimum(tl.maximum(lens, 0), S_MAX)
-    slot = slot0 + tl.arange(0, PAGE)
+    slot = page * PAGE + tl.arange(0, PAGE)
     keep = (t[None, :] < T) & (slot[:, None] < lens[None, :])
-    tl.store(ws_ptr + (b * T + t[None, :]) * S_MAX + slot[:, None], scores, mask=keep)
+    rows = b * T + t
+    tl.store(ws_ptr + rows[None, :] * S_MAX + slot[:, None], scores, mask=keep)
+    if STATS:  # the row top-k's first pass, on scores still in registers
+        # One pass (sum and sum of squares): the statistics only place the bins, and a
+        # cancellation error there costs time, never correctness.
+        count = tl.maximum(tl.minimum(lens - page * PAGE, PAGE), 1).to(tl.float32)
+        kept = tl.where(keep, scores, 0.0)
+        mean = tl.sum(kept, axis=0) / count
+        m2 = tl.maximum(tl.sum(kept * kept, axis=0) - count * mean * mean, 0.0)
+        out = stats_ptr + (rows * N_PAGES + page) * 4
+        has = (t < T) & (lens > page * PAGE)
+        tl.store(out, tl.max(tl.where(keep, scores, -float("inf")), axis=0), mask=has)
+        tl.store(out + 1, tl.min(tl.where(keep, scores, float("inf")), axis=0), mask=has)
+        tl.store(out + 2, mean, mask=has)
+        tl.store(out + 3, m2, mask=has)
 
 
 @triton.jit
-def _score_page(page, q_cols, w_cols, q_ptr, w_ptr, k_ptr, ks_ptr, pt_ptr, lens_ptr, ws_ptr,
-                b, T, H, D, P, S_MAX,
+def _page_id(pt_ptr, b, page, n_pages, spt_b, spt_j):
+    """Physical id of logical page `page` of request b (0, unread, from n_pages on)."""
+    return tl.load(pt_ptr + b * spt_b + page * spt_j, mask=page < n_pages, other=0)
+
+
+@triton.jit
+def _score_page(page, phys, lens0, q_cols, w_cols, q_ptr, w_ptr, k_ptr, ks_ptr, lens_ptr, ws_ptr,
+                stats_ptr, b, T, H, D, P, S_MAX, N_PAGES,
                 sq_b, sq_t, sq_h, sq_d, sw_b, sw_t, sw_h,
-                sk_p, sk_s, sk_d, sks_p, sks_s, spt_b, spt_j, sl_b, sl_t,
+                sk_p, sk_s, sk_d, sks_p, sks_s, sl_b, sl_t,
                 N_TBLOCKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
                 BLOCK_D: tl.constexpr, PAGE: tl.constexpr, HAS_SCALE: tl.constexpr,
-                DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
-    """Read logical page `page` of request b once and score it for all T tokens."""
+                DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, STATS: tl.constexpr):
+    """Read logical page `page` (physical id `phys`) of request b once and score it for all
+    T tokens (lens0: the first token block's clamped lens)."""
     slot_in_page = tl.arange(0, PAGE)
     d = tl.arange(0, BLOCK_D)
-    phys = tl.load(pt_ptr + b * spt_b + page * spt_j)
     page_ok = (phys >= 0) & (phys < P)  # only an unchecked (captured) call can fail this
     phys = tl.where(page_ok, phys, 0).to(tl.int64)
     k_ptrs = k_ptr + phys * sk_p + slot_in_page[:, None] * sk_s + d[None, :] * sk_d
@@ -152,37 +197,38 @@ def _score_page(page, q_cols, w_cols, q_ptr, w_ptr, k_ptr, ks_ptr, pt_ptr, lens_
         scale = tl.load(ks_ptr + phys * sks_p + slot_in_page * sks_s, mask=page_ok,
                         other=0.0).to(tl.float32)
     if N_TBLOCKS == 1:
-        _score_and_store(q_cols, w_cols, keys, scale, ws_ptr, b, 0, T, page * PAGE,
-                         lens_ptr, sl_b, sl_t, S_MAX, BLOCK_T, BLOCK_H, PAGE,
-                         HAS_SCALE, PRECISION)
+        _score_and_store(q_cols, w_cols, keys, scale, ws_ptr, stats_ptr, b, 0, T, page,
+                         lens0, S_MAX, N_PAGES, BLOCK_T, BLOCK_H, PAGE,
+                         HAS_SCALE, PRECISION, STATS)
     else:  # many tokens: the page stays on chip while the token blocks reload their queries
         for tb in range(0, N_TBLOCKS):
             qb, wb = _load_query_cols(q_ptr, w_ptr, b, tb * BLOCK_T, T, H, D, sq_b, sq_t,
                                       sq_h, sq_d, sw_b, sw_t, sw_h, BLOCK_T, BLOCK_H,
                                       BLOCK_D, DOT_DTYPE)
-            _score_and_store(qb, wb, keys, scale, ws_ptr, b, tb * BLOCK_T, T, page * PAGE,
-                             lens_ptr, sl_b, sl_t, S_MAX, BLOCK_T, BLOCK_H, PAGE,
-                             HAS_SCALE, PRECISION)
+            lens = _token_lens(lens_ptr, b, tb * BLOCK_T, T, S_MAX, sl_b, sl_t, BLOCK_T)
+            _score_and_store(qb, wb, keys, scale, ws_ptr, stats_ptr, b, tb * BLOCK_T, T, page,
+                             lens, S_MAX, N_PAGES, BLOCK_T, BLOCK_H, PAGE,
+                             HAS_SCALE, PRECISION, STATS)
 
 
 @triton.jit
 def _score_pages_kernel(
-    q_ptr, w_ptr, k_ptr, ks_ptr, pt_ptr, lens_ptr, ws_ptr,
-    T, H, D, P, S_MAX, SPLITS, TOPK,
+    q_ptr, w_ptr, k_ptr, ks_ptr, pt_ptr, lens_ptr, ws_ptr, stats_ptr,
+    T, H, D, P, S_MAX, N_PAGES, SPLITS, TOPK,
     sq_b, sq_t, sq_h, sq_d, sw_b, sw_t, sw_h,
     sk_p, sk_s, sk_d, sks_p, sks_s, spt_b, spt_j, sl_b, sl_t,
     N_TBLOCKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr, PAGE: tl.constexpr, HAS_SCALE: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, FOR_LOOPS: tl.constexpr,
+    STATS: tl.constexpr, ID_AHEAD: tl.constexpr,
 ):
     b = tl.program_id(0)
     split = tl.program_id(1)
     # The last slot any token of this request needs scored: only tokens with lens > TOPK.
-    needed = 0
-    for tb in range(0, N_TBLOCKS):
-        t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
-        lens = tl.load(lens_ptr + b * sl_b + t * sl_t, mask=t < T, other=0)
-        lens = tl.minimum(tl.maximum(lens, 0), S_MAX)
+    lens0 = _token_lens(lens_ptr, b, 0, T, S_MAX, sl_b, sl_t, BLOCK_T)  # kept for the loop
+    needed = tl.max(tl.where(lens0 > TOPK, lens0, 0), axis=0)
+    for tb in range(1, N_TBLOCKS):
+        lens = _token_lens(lens_ptr, b, tb * BLOCK_T, T, S_MAX, sl_b, sl_t, BLOCK_T)
         needed = tl.maximum(needed, tl.max(tl.where(lens > TOPK, lens, 0), axis=0))
     n_pages = (needed + PAGE - 1) // PAGE
 
@@ -193,23 +239,36 @@ def _score_pages_kernel(
             q_cols, w_cols = _load_query_cols(q_ptr, w_ptr, b, 0, T, H, D, sq_b, sq_t, sq_h,
                                               sq_d, sw_b, sw_t, sw_h, BLOCK_T, BLOCK_H, BLOCK_D,
                                               DOT_DTYPE)
+        # With ID_AHEAD the next page's id is loaded while this page is scored, so the
+        # pipelined key load for the next page does not first wait for its id.
+        nxt = _page_id(pt_ptr, b, split, n_pages, spt_b, spt_j)
         if FOR_LOOPS:  # software-pipelined on the GPU
             for page in range(split, n_pages, SPLITS):
-                _score_page(page, q_cols, w_cols, q_ptr, w_ptr, k_ptr, ks_ptr, pt_ptr,
-                            lens_ptr, ws_ptr, b, T, H, D, P, S_MAX, sq_b, sq_t, sq_h, sq_d,
-                            sw_b, sw_t, sw_h,
-                            sk_p, sk_s, sk_d, sks_p, sks_s, spt_b, spt_j, sl_b, sl_t,
+                if ID_AHEAD:
+                    phys = nxt
+                    nxt = _page_id(pt_ptr, b, page + SPLITS, n_pages, spt_b, spt_j)
+                else:
+                    phys = _page_id(pt_ptr, b, page, n_pages, spt_b, spt_j)
+                _score_page(page, phys, lens0, q_cols, w_cols, q_ptr, w_ptr, k_ptr, ks_ptr,
+                            lens_ptr, ws_ptr, stats_ptr, b, T, H, D, P, S_MAX, N_PAGES,
+                            sq_b, sq_t, sq_h, sq_d, sw_b, sw_t, sw_h,
+                            sk_p, sk_s, sk_d, sks_p, sks_s, sl_b, sl_t,
                             N_TBLOCKS, BLOCK_T, BLOCK_H, BLOCK_D, PAGE, HAS_SCALE, DOT_DTYPE,
-                            PRECISION)
+                            PRECISION, STATS)
         else:  # the interpreter (numpy >= 2.4) cannot take its 1-element tensors as range()
             page = split
             while page < n_pages:
-                _score_page(page, q_cols, w_cols, q_ptr, w_ptr, k_ptr, ks_ptr, pt_ptr,
-                            lens_ptr, ws_ptr, b, T, H, D, P, S_MAX, sq_b, sq_t, sq_h, sq_d,
-                            sw_b, sw_t, sw_h,
-                            sk_p, sk_s, sk_d, sks_p, sks_s, spt_b, spt_j, sl_b, sl_t,
+                if ID_AHEAD:
+                    phys = nxt
+                    nxt = _page_id(pt_ptr, b, page + SPLITS, n_pages, spt_b, spt_j)
+                else:
+                    phys = _page_id(pt_ptr, b, page, n_pages, spt_b, spt_j)
+                _score_page(page, phys, lens0, q_cols, w_cols, q_ptr, w_ptr, k_ptr, ks_ptr,
+                            lens_ptr, ws_ptr, stats_ptr, b, T, H, D, P, S_MAX, N_PAGES,
+                            sq_b, sq_t, sq_h, sq_d, sw_b, sw_t, sw_h,
+                            sk_p, sk_s, sk_d, sks_p, sks_s, sl_b, sl_t,
                             N_TBLOCKS, BLOCK_T, BLOCK_H, BLOCK_D, PAGE, HAS_SCALE, DOT_DTYPE,
-                            PRECISION)
+                            PRECISION, STATS)
                 page += SPLITS
 
 
@@ -256,7 +315,10 @@ def indexer_scores_triton(
     splits: int | None = None,
     workspace: torch.Tensor | None = None,
     num_warps: int | None = None,
-    num_stages: int = 2,
+    num_stages: int | None = None,
+    block_stats: torch.Tensor | None = None,
+    max_regs: int | None = None,
+    id_ahead: bool = DEFAULT_ID_AHEAD,
 ):
     """Launch the scoring kernel; returns (workspace [B, T, max_pages * 64] f32, the kernel).
 
@@ -264,7 +326,14 @@ def indexer_scores_triton(
     request b: those below ceil(n / 64), n the largest lens[b, :] above topk (none if no token
     of the request has more than topk visible slots). Every other element is left unwritten.
     Arguments as `indexer_topk_triton`; `workspace` may be a caller's contiguous
-    [B, T, max_pages * 64] f32 tensor; num_warps and num_stages override the launch config.
+    [B, T, max_pages * 64] f32 tensor; num_warps and num_stages (default FP8_SCORE_STAGES for
+    fp8 dots, else 2) override the launch config.
+    `block_stats`, a contiguous [B * T, max_pages, 4] f32 tensor, also receives, for each page
+    read and token, (max, min, mean, squared deviation from the mean) of the scores written on
+    that page (the `block_stats` of kernels/topk_select.py); other entries are left unwritten.
+    `max_regs` caps the registers a thread (default FP8_SCORE_MAX_REGS by warps for fp8 dots,
+    else none; 0: no cap);
+    `id_ahead` loads each next page's id one page ahead.
     """
     batch, tokens, heads, head_dim = q.shape
     max_pages = page_table.shape[1]
@@ -276,18 +345,25 @@ def indexer_scores_triton(
     rows = block_t * block_h
     splits = splits or default_splits(batch, max_pages, q.device)
     dot_dtype, precision = _dot_dtype(q, k_cache)
+    warps = num_warps or (8 if rows >= 128 else 4)
+    fp8 = dot_dtype == tl.float8e4nv
+    stages = num_stages or (FP8_SCORE_STAGES if fp8 else 2)
+    if max_regs is None:
+        max_regs = FP8_SCORE_MAX_REGS.get(warps, 0) if fp8 else 0
     has_scale = k_scale is not None
     ks = k_scale if has_scale else k_cache  # unused pointer when there is no scale
     ks_strides = (k_scale.stride(0), k_scale.stride(1)) if has_scale else (0, 0)
     kernel = _score_pages_kernel[(batch, splits)](
         q, weights, k_cache, ks, page_table, lens, workspace,
-        tokens, heads, head_dim, k_cache.shape[0], s_max, splits, topk,
+        workspace if block_stats is None else block_stats,  # unused pointer without stats
+        tokens, heads, head_dim, k_cache.shape[0], s_max, max_pages, splits, topk,
         *q.stride(), *weights.stride(), *k_cache.stride(), *ks_strides,
         *page_table.stride(), *lens.stride(),
         N_TBLOCKS=triton.cdiv(tokens, block_t), BLOCK_T=block_t, BLOCK_H=block_h,
         BLOCK_D=triton.next_power_of_2(head_dim), PAGE=PAGE_SIZE, HAS_SCALE=has_scale,
         DOT_DTYPE=dot_dtype, PRECISION=precision, FOR_LOOPS=q.is_cuda,
-        num_warps=num_warps or (8 if rows >= 128 else 4), num_stages=num_stages,
+        STATS=block_stats is not None, ID_AHEAD=id_ahead, num_warps=warps, num_stages=stages,
+        maxnreg=max_regs or None,
     )
     return workspace, kernel
 
@@ -306,6 +382,13 @@ def indexer_topk_triton(
     workspace: torch.Tensor | None = None,
     chunk: int = DEFAULT_CHUNK,
     select_warps: int = DEFAULT_SELECT_WARPS,
+    split_block: int = DEFAULT_SPLIT_BLOCK,
+    select_programs: int | None = None,
+    fuse_stats: bool = DEFAULT_FUSE_STATS,
+    score_warps: int | None = None,
+    score_stages: int | None = None,
+    score_max_regs: int | None = None,
+    id_ahead: bool = DEFAULT_ID_AHEAD,
 ) -> tuple[torch.Tensor, list]:
     """Launch the scoring and selection kernels; returns (idx [B, T, topk] int32, the kernels).
 
@@ -313,17 +396,30 @@ def indexer_topk_triton(
     clamped in the kernels, so no value can cause an out-of-bounds read). `out` may be a
     pre-poisoned [B, T, topk] int32 contiguous tensor to write into, `workspace` a
     (pre-poisoned) contiguous [B, T, max_pages * 64] f32 score buffer; `splits` overrides the
-    number of scoring programs per request, `chunk` and `select_warps` the selection's slots
-    and warps per program.
+    number of scoring programs per request, `chunk`, `select_warps` and `split_block` the
+    selection's slots and warps per program and the split kernel's slots at a time,
+    `select_programs` its programs per row (default `programs_per_row`);
+    `fuse_stats` has the scoring kernel write each page's score statistics for the selection
+    (which then skips its own statistics pass); `score_warps`, `score_stages`,
+    `score_max_regs` and `id_ahead` override the scoring kernel's launch config.
     """
     batch, tokens = q.shape[:2]
     if out is None:
         out = torch.empty((batch, tokens, topk), dtype=torch.int32, device=q.device)
     if batch == 0 or tokens == 0:
         return out, []
+    stats = None
+    if fuse_stats:
+        stats = torch.empty((batch * tokens, page_table.shape[1], 4), dtype=torch.float32,
+                            device=q.device)
     workspace, score = indexer_scores_triton(q, weights, k_cache, k_scale, page_table, lens,
-                                             topk, splits=splits, workspace=workspace)
-    select = select_topk_triton(workspace, lens, topk, out, chunk=chunk, num_warps=select_warps)
+                                             topk, splits=splits, workspace=workspace,
+                                             num_warps=score_warps, num_stages=score_stages,
+                                             block_stats=stats, max_regs=score_max_regs,
+                                             id_ahead=id_ahead)
+    select = select_topk_triton(workspace, lens, topk, out, chunk=chunk, num_warps=select_warps,
+                                split_block=split_block, programs=select_programs,
+                                block_stats=stats)
     return out, [score, *select]
 
 

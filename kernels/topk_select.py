@@ -8,15 +8,17 @@ Rows with len <= topk take every valid slot (no score is read). Longer rows go t
 kernels on static grids (capture-safe). The three chunk kernels run `programs` programs per
 row, program p taking chunks p, p + programs, ... of CHUNK slots; chunks at or past the row's
 length are skipped, so the work follows the real length, not the workspace's width.
-  1. `_chunk_stats_kernel`: max, min, mean and squared deviation of each chunk.
+  1. `_chunk_stats_kernel`: max, min, mean and squared deviation of each chunk (skipped when
+     the caller passes such statistics per block of 64 slots, as the indexer's scoring kernel
+     can write them).
   2. `_chunk_hist_kernel`: histogram of each chunk over NUM_BINS equal bins of the row's
      [min, max] cut to mean -/+ SPREAD standard deviations (bin 0 holds the largest scores;
      scores beyond the cut land in the end bins).
   3. `_chunk_split_kernel`: every program sums the row's chunk histograms and finds the
      threshold bin, the one where the count from the top reaches topk. Scores above it are
      written straight to `out` (at the count of such scores in earlier chunks plus their rank
-     within the chunk); scores in it are copied, with their slots, into a candidate list of
-     at most `cap` per row.
+     within the chunk, `split_block` slots at a time); scores in it are copied, with their
+     slots, into a candidate list of at most `cap` per row.
   4. `_finish_kernel`, one program per row: a radix select (8 bits a pass, `tl.histogram`) of
      the missing ones among the candidates. When the threshold bin holds more than `cap`
      scores (many ties, or most scores packed in a sliver of the binned range), it runs over
@@ -36,9 +38,32 @@ DEFAULT_CHUNK = 2048
 # fastest at 128K (137 vs 149 us with 8 warps) and at ctx 512; at 8K all configs were within 3%.
 DEFAULT_SELECT_WARPS = 4
 SPREAD = 8.0  # the bins stop this many standard deviations from the row's mean
-_STATS_TILE = tl.constexpr(64)  # chunks whose statistics one load of `_row_grid` reads
+# Slots the split kernel handles at a time (bounds its registers; 167 a thread at 2048 slots).
+DEFAULT_SPLIT_BLOCK = 512
+STAT_BLOCK = 64  # slots per block of `block_stats` (one key page of the indexer)
+_STATS_TILE = 256  # blocks whose statistics one load of `_row_grid` reads
 _HIST_TILE = 16  # chunk histograms per [chunks, NUM_BINS] load when a kernel sums them
 _FINISH_BLOCK = 1024
+
+
+def block_stats_reference(scores: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """The `block_stats` of `select_topk_triton`: [B * T, ceil(S / 64), 4] f32, for each block
+    of STAT_BLOCK slots holding valid scores (s < lens[b, t]) their (max, min, mean, squared
+    deviation from the mean); NaN for blocks with no valid score (never read).
+    scores [B, T, S] f32, lens [B, T] int32."""
+    batch, tokens, slots = scores.shape
+    n_blocks = triton.cdiv(slots, STAT_BLOCK)
+    padded = torch.nn.functional.pad(scores.double(), (0, n_blocks * STAT_BLOCK - slots))
+    blocks = padded.reshape(batch * tokens, n_blocks, STAT_BLOCK)
+    valid = (torch.arange(n_blocks * STAT_BLOCK, device=scores.device)
+             < lens.reshape(-1, 1).long()).reshape(blocks.shape)
+    count = valid.sum(dim=-1)
+    kept = torch.where(valid, blocks, 0.0)
+    mean = kept.sum(dim=-1) / count.clamp(min=1)
+    m2 = torch.where(valid, (blocks - mean[..., None]) ** 2, 0.0).sum(dim=-1)
+    stats = torch.stack([torch.where(valid, blocks, -torch.inf).amax(dim=-1),
+                         torch.where(valid, blocks, torch.inf).amin(dim=-1), mean, m2], dim=-1)
+    return torch.where((count > 0)[..., None], stats, torch.nan).float()
 
 
 @triton.jit
@@ -50,33 +75,39 @@ def _row_len(lens_ptr, row, T, S_MAX, sl_b, sl_t):
 
 
 @triton.jit
-def _row_grid(stats_ptr, row, n, n_chunks, N_CHUNKS, CHUNK: tl.constexpr,
-              STATS_TILES: tl.constexpr, NUM_BINS: tl.constexpr, SPREAD: tl.constexpr):
-    """(top, scale) of the row's bins, bin(x) = (top - x) * scale, from the chunk statistics.
+def _row_grid(stats_ptr, row, n, N_STATS, STAT_SLOTS: tl.constexpr, NUM_BINS: tl.constexpr,
+              SPREAD: tl.constexpr, TILE: tl.constexpr):
+    """(top, scale) of the row's bins, bin(x) = (top - x) * scale, from the statistics
+    (max, min, mean, squared deviation) of its blocks of STAT_SLOTS slots, N_STATS a row.
 
     The bins span [min, max] of the row, cut to mean -/+ SPREAD standard deviations, so that a
     few outliers (an attention sink) do not stretch them; scores beyond land in the end bins.
     """
+    n_stats = (n + STAT_SLOTS - 1) // STAT_SLOTS
     top = -float("inf")
     bottom = float("inf")
     total = 0.0
-    for tile in tl.static_range(STATS_TILES):  # STATS_TILES * _STATS_TILE >= N_CHUNKS
-        ch = tile * _STATS_TILE + tl.arange(0, _STATS_TILE)
-        ok = ch < n_chunks
-        base = stats_ptr + (row * N_CHUNKS + ch) * 4
-        count = tl.where(ok, tl.minimum(n - ch * CHUNK, CHUNK), 0).to(tl.float32)
+    first = 0
+    while first < n_stats:  # while loops: the interpreter cannot range() over its tensors
+        ch = first + tl.arange(0, TILE)
+        ok = ch < n_stats
+        base = stats_ptr + (row * N_STATS + ch) * 4
+        count = tl.where(ok, tl.minimum(n - ch * STAT_SLOTS, STAT_SLOTS), 0).to(tl.float32)
         top = tl.maximum(top, tl.max(tl.load(base, mask=ok, other=-float("inf")), axis=0))
         bottom = tl.minimum(bottom, tl.min(tl.load(base + 1, mask=ok, other=float("inf")), axis=0))
         total += tl.sum(count * tl.load(base + 2, mask=ok, other=0.0), axis=0)
+        first += TILE
     mean = total / n.to(tl.float32)
-    m2 = 0.0  # Chan et al.'s pairwise combination of the chunks' squared deviations
-    for tile in tl.static_range(STATS_TILES):
-        ch = tile * _STATS_TILE + tl.arange(0, _STATS_TILE)
-        ok = ch < n_chunks
-        base = stats_ptr + (row * N_CHUNKS + ch) * 4
-        count = tl.where(ok, tl.minimum(n - ch * CHUNK, CHUNK), 0).to(tl.float32)
+    m2 = 0.0  # Chan et al.'s pairwise combination of the blocks' squared deviations
+    first = 0
+    while first < n_stats:
+        ch = first + tl.arange(0, TILE)
+        ok = ch < n_stats
+        base = stats_ptr + (row * N_STATS + ch) * 4
+        count = tl.where(ok, tl.minimum(n - ch * STAT_SLOTS, STAT_SLOTS), 0).to(tl.float32)
         dev = tl.load(base + 2, mask=ok, other=0.0) - mean
         m2 += tl.sum(tl.load(base + 3, mask=ok, other=0.0) + count * dev * dev, axis=0)
+        first += TILE
     spread = SPREAD * tl.sqrt(m2 / n.to(tl.float32))
     top = tl.minimum(top, mean + spread)
     width = top - tl.maximum(bottom, mean - spread)
@@ -114,15 +145,16 @@ def _chunk_stats_kernel(ws_ptr, lens_ptr, stats_ptr, T, S_MAX, N_CHUNKS, PROGRAM
 
 @triton.jit
 def _chunk_hist_kernel(ws_ptr, lens_ptr, stats_ptr, hist_ptr, grid_ptr, T, S_MAX, N_CHUNKS,
-                       PROGRAMS, sl_b, sl_t, TOPK: tl.constexpr, CHUNK: tl.constexpr,
-                       NUM_BINS: tl.constexpr, STATS_TILES: tl.constexpr, SPREAD: tl.constexpr):
+                       PROGRAMS, N_STATS, sl_b, sl_t, TOPK: tl.constexpr, CHUNK: tl.constexpr,
+                       NUM_BINS: tl.constexpr, STAT_SLOTS: tl.constexpr, SPREAD: tl.constexpr,
+                       STATS_TILE: tl.constexpr):
     row = tl.program_id(0)
     n = _row_len(lens_ptr, row, T, S_MAX, sl_b, sl_t)
     n_chunks = tl.where(n > TOPK, (n + CHUNK - 1) // CHUNK, 0)
     chunk = tl.program_id(1)
     if chunk < n_chunks:
-        top, scale = _row_grid(stats_ptr, row, n, n_chunks, N_CHUNKS, CHUNK, STATS_TILES,
-                               NUM_BINS, SPREAD)
+        top, scale = _row_grid(stats_ptr, row, n, N_STATS, STAT_SLOTS, NUM_BINS, SPREAD,
+                               STATS_TILE)
         if chunk == 0:  # the split kernel bins with these very values (its own reductions
             tl.store(grid_ptr + row * 2, top)  # could round the last bit differently)
             tl.store(grid_ptr + row * 2 + 1, scale)
@@ -139,9 +171,13 @@ def _chunk_hist_kernel(ws_ptr, lens_ptr, stats_ptr, hist_ptr, grid_ptr, T, S_MAX
 @triton.jit
 def _split_chunk(ws_ptr, hist_row, out_ptr, cand_ptr, cand_slot_ptr, row, chunk, n, d, top,
                  scale, S_MAX, CAP, TOPK: tl.constexpr, CHUNK: tl.constexpr,
-                 NUM_BINS: tl.constexpr, HIST_TILE: tl.constexpr):
+                 NUM_BINS: tl.constexpr, HIST_TILE: tl.constexpr, SUB: tl.constexpr):
     """Write one chunk's scores above bin d to the row's output and those in it to the
-    candidate list, after what earlier chunks wrote (counted from their histograms)."""
+    candidate list, after what earlier chunks wrote (counted from their histograms).
+
+    The chunk goes SUB slots at a time (fewer live registers); one prefix sum per block
+    ranks both kinds, packed as take + (tie << 16) (a block's counts stay below 2**16).
+    """
     bins = tl.arange(0, NUM_BINS)
     above_before = 0
     ties_before = 0
@@ -153,24 +189,32 @@ def _split_chunk(ws_ptr, hist_row, out_ptr, cand_ptr, cand_slot_ptr, row, chunk,
         above_before += tl.sum(tl.sum(tl.where(bins[None, :] < d, h, 0), axis=1), axis=0)
         ties_before += tl.sum(tl.sum(tl.where(bins[None, :] == d, h, 0), axis=1), axis=0)
         first += HIST_TILE
-    offs = chunk * CHUNK + tl.arange(0, CHUNK)
-    valid = offs < n
-    x = tl.load(ws_ptr + row.to(tl.int64) * S_MAX + offs, mask=valid, other=0.0)
-    b = _score_bin(x, top, scale, NUM_BINS)
-    take = (valid & (b < d)).to(tl.int32)
-    pos = above_before + tl.cumsum(take, axis=0) - take
-    tl.store(out_ptr + row.to(tl.int64) * TOPK + pos, offs, mask=take != 0)
-    cand = (valid & (b == d)).to(tl.int32)
-    cpos = ties_before + tl.cumsum(cand, axis=0) - cand
-    tl.store(cand_ptr + row.to(tl.int64) * CAP + cpos, x, mask=cand != 0)
-    tl.store(cand_slot_ptr + row.to(tl.int64) * CAP + cpos, offs, mask=cand != 0)
+    row_ws = ws_ptr + row.to(tl.int64) * S_MAX
+    row_out = out_ptr + row.to(tl.int64) * TOPK
+    row_cand = row.to(tl.int64) * CAP
+    for sub in range(0, CHUNK, SUB):
+        offs = chunk * CHUNK + sub + tl.arange(0, SUB)
+        valid = offs < n
+        x = tl.load(row_ws + offs, mask=valid, other=0.0)
+        b = _score_bin(x, top, scale, NUM_BINS)
+        packed = (valid & (b < d)).to(tl.int32) + ((valid & (b == d)).to(tl.int32) << 16)
+        before = tl.cumsum(packed, axis=0) - packed
+        take = (packed & 0xFFFF) != 0
+        tl.store(row_out + above_before + (before & 0xFFFF), offs, mask=take)
+        tie = packed >= 65536
+        cpos = row_cand + ties_before + (before >> 16)
+        tl.store(cand_ptr + cpos, x, mask=tie)
+        tl.store(cand_slot_ptr + cpos, offs, mask=tie)
+        counts = tl.sum(packed, axis=0)
+        above_before += counts & 0xFFFF
+        ties_before += counts >> 16
 
 
 @triton.jit
 def _chunk_split_kernel(ws_ptr, lens_ptr, grid_ptr, hist_ptr, out_ptr, cand_ptr, cand_slot_ptr,
                         meta_ptr, T, S_MAX, N_CHUNKS, PROGRAMS, CAP, sl_b, sl_t,
                         TOPK: tl.constexpr, CHUNK: tl.constexpr, NUM_BINS: tl.constexpr,
-                        HIST_TILE: tl.constexpr):
+                        HIST_TILE: tl.constexpr, SUB: tl.constexpr):
     row = tl.program_id(0)
     n = _row_len(lens_ptr, row, T, S_MAX, sl_b, sl_t)
     n_chunks = tl.where(n > TOPK, (n + CHUNK - 1) // CHUNK, 0)
@@ -199,7 +243,7 @@ def _chunk_split_kernel(ws_ptr, lens_ptr, grid_ptr, hist_ptr, out_ptr, cand_ptr,
         if fits:
             while chunk < n_chunks:
                 _split_chunk(ws_ptr, hist_row, out_ptr, cand_ptr, cand_slot_ptr, row, chunk, n,
-                             d, top, scale, S_MAX, CAP, TOPK, CHUNK, NUM_BINS, HIST_TILE)
+                             d, top, scale, S_MAX, CAP, TOPK, CHUNK, NUM_BINS, HIST_TILE, SUB)
                 chunk += PROGRAMS
 
 
@@ -340,22 +384,30 @@ def programs_per_row(rows: int, n_chunks: int, device: torch.device) -> int:
 
 def select_topk_triton(scores: torch.Tensor, lens: torch.Tensor, topk: int, out: torch.Tensor,
                        *, chunk: int = DEFAULT_CHUNK, num_warps: int = DEFAULT_SELECT_WARPS,
-                       cap: int | None = None, programs: int | None = None) -> list:
+                       split_block: int = DEFAULT_SPLIT_BLOCK, cap: int | None = None,
+                       programs: int | None = None,
+                       block_stats: torch.Tensor | None = None) -> list:
     """Top-`topk` slots of each row of scores [B, T, S] f32 (valid where s < lens[b, t], never
     read elsewhere) into out [B, T, topk] int32 (contiguous); returns the launched kernels.
 
     `chunk` (a power of two >= 16) is the slots per chunk, `num_warps` the warps of the chunk
-    kernels, `programs` their programs per row (default `programs_per_row`), `cap` the
-    candidates kept per row (tests force the whole-row fallback with a small one).
+    kernels, `split_block` (a power of two) the slots the split kernel handles at a time,
+    `programs` their programs per row (default `programs_per_row`), `cap` the candidates kept
+    per row (tests force the whole-row fallback with a small one). `block_stats`, when given,
+    is [B * T, ceil(S / 64), 4] f32 contiguous: (max, min, mean, squared deviation from the mean) of
+    the valid scores of each block of 64 slots below the row's length (what the indexer's
+    scoring kernel writes); the statistics kernel is then skipped.
     """
     batch, tokens, slots = scores.shape
     rows = batch * tokens
     n_chunks = triton.cdiv(slots, chunk)
     programs = min(programs or programs_per_row(rows, n_chunks, scores.device), n_chunks)
-    stats_tiles = triton.cdiv(n_chunks, _STATS_TILE.value)
     cap = cap or candidate_cap(topk)
     dev = scores.device
-    stats = torch.empty((rows, n_chunks, 4), dtype=torch.float32, device=dev)
+    if block_stats is None:
+        stats, stat_slots = torch.empty((rows, n_chunks, 4), dtype=torch.float32, device=dev), chunk
+    else:
+        stats, stat_slots = block_stats, STAT_BLOCK
     hist = torch.empty((rows, n_chunks, NUM_BINS), dtype=torch.int32, device=dev)
     cand = torch.empty((rows, cap), dtype=torch.float32, device=dev)
     cand_slot = torch.empty((rows, cap), dtype=torch.int32, device=dev)
@@ -363,15 +415,19 @@ def select_topk_triton(scores: torch.Tensor, lens: torch.Tensor, topk: int, out:
     meta = torch.empty((rows, 2), dtype=torch.int32, device=dev)
     common = (tokens, slots, n_chunks, programs)
     grid = (rows, programs)
-    kernels = [
-        _chunk_stats_kernel[grid](scores, lens, stats, *common, *lens.stride(), TOPK=topk,
-                                  CHUNK=chunk, num_warps=num_warps),
-        _chunk_hist_kernel[grid](scores, lens, stats, hist, bin_grid, *common, *lens.stride(),
-                                 TOPK=topk, CHUNK=chunk, NUM_BINS=NUM_BINS,
-                                 STATS_TILES=stats_tiles, SPREAD=SPREAD, num_warps=num_warps),
+    kernels = []
+    if block_stats is None:
+        kernels.append(_chunk_stats_kernel[grid](scores, lens, stats, *common, *lens.stride(),
+                                                 TOPK=topk, CHUNK=chunk, num_warps=num_warps))
+    kernels += [
+        _chunk_hist_kernel[grid](scores, lens, stats, hist, bin_grid, *common, stats.shape[1],
+                                 *lens.stride(), TOPK=topk, CHUNK=chunk, NUM_BINS=NUM_BINS,
+                                 STAT_SLOTS=stat_slots, SPREAD=SPREAD, STATS_TILE=_STATS_TILE,
+                                 num_warps=num_warps),
         _chunk_split_kernel[grid](scores, lens, bin_grid, hist, out, cand, cand_slot, meta,
                                   *common, cap, *lens.stride(), TOPK=topk, CHUNK=chunk,
-                                  NUM_BINS=NUM_BINS, HIST_TILE=_HIST_TILE, num_warps=num_warps),
+                                  NUM_BINS=NUM_BINS, HIST_TILE=_HIST_TILE,
+                                  SUB=min(split_block, chunk), num_warps=num_warps),
         _finish_kernel[(rows,)](scores, lens, out, cand, cand_slot, meta, tokens, slots, cap,
                                 *lens.stride(), TOPK=topk, BLOCK=_FINISH_BLOCK, num_warps=8),
     ]

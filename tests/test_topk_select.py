@@ -61,8 +61,11 @@ def select_cases(draw):
     kind = draw(st.sampled_from(["gaussian", "gaussian", "ties", "sink", "outlier", "constant"]))
     cap = draw(st.sampled_from([None, None, 4]))
     programs = draw(st.sampled_from([None, 1, 3]))  # chunk programs per row
+    split_block = draw(st.sampled_from([sel.DEFAULT_SPLIT_BLOCK, 8]))  # 8: blocks of a chunk
+    block_stats = draw(st.booleans())  # the caller's per-64-slot statistics
     return dict(batch=batch, tokens=tokens, chunk=chunk, slots=slots, topk=topk, lens=lens,
-                kind=kind, cap=cap, programs=programs, seed=draw(st.integers(0, 2**31 - 1)))
+                kind=kind, cap=cap, programs=programs, split_block=split_block,
+                block_stats=block_stats, seed=draw(st.integers(0, 2**31 - 1)))
 
 
 @given(select_cases())
@@ -74,17 +77,19 @@ def test_chunked_select_matches_torch_topk(case):
     poisoned = scores.clone()  # what lies past a row's length must never be read
     poisoned[torch.arange(case["slots"]) >= lens[..., None]] = float("nan")
     out = torch.full(shape[:2] + (case["topk"],), -7, dtype=torch.int32)
+    stats = sel.block_stats_reference(scores, lens) if case["block_stats"] else None
     with np.errstate(over="ignore"):  # the interpreter's f32 spread of a 1e30 outlier
         sel.select_topk_triton(poisoned, lens, case["topk"], out, chunk=case["chunk"],
-                               cap=case["cap"], programs=case["programs"])
+                               cap=case["cap"], programs=case["programs"],
+                               split_block=case["split_block"], block_stats=stats)
     assert_row_topk(out, scores, lens, case["topk"])
 
 
 @pytest.mark.parametrize("kind, cap", [("gaussian", None), ("ties", None), ("sink", None),
                                        ("outlier", None), ("gaussian", 8)])
 def test_more_chunks_than_one_tile(kind, cap):
-    """70 chunks of 16 slots, 4 programs walking 18 chunks each: the row's chunk ranges are
-    reduced over two tiles of 64, its histograms over five tiles of 16."""
+    """70 chunks of 16 slots, 4 programs walking 18 chunks each: the row's histograms are
+    summed over five tiles of 16."""
     gen = torch.Generator().manual_seed(5)
     scores = make_scores(kind, (1, 1, 1120), gen)
     lens = torch.tensor([[1111]], dtype=torch.int32)
@@ -92,6 +97,19 @@ def test_more_chunks_than_one_tile(kind, cap):
     with np.errstate(over="ignore"):  # the interpreter's f32 spread of a 1e30 outlier
         sel.select_topk_triton(scores, lens, 50, out, chunk=16, cap=cap)
     assert_row_topk(out, scores, lens, 50)
+
+
+@pytest.mark.parametrize("kind", ["gaussian", "sink"])
+def test_block_stats_over_more_than_one_tile(kind):
+    """600 blocks of 64 slots' statistics: the row's bins are placed from three tiles of them."""
+    assert 2 * sel._STATS_TILE < 600 <= 3 * sel._STATS_TILE
+    gen = torch.Generator().manual_seed(11)
+    scores = make_scores(kind, (1, 1, 600 * 64), gen)
+    lens = torch.tensor([[600 * 64 - 5]], dtype=torch.int32)
+    out = torch.full((1, 1, 40), -7, dtype=torch.int32)
+    sel.select_topk_triton(scores, lens, 40, out, chunk=4096,
+                           block_stats=sel.block_stats_reference(scores, lens))
+    assert_row_topk(out, scores, lens, 40)
 
 
 def test_lens_with_strides_and_out_of_range_values():
@@ -104,12 +122,14 @@ def test_lens_with_strides_and_out_of_range_values():
     assert_row_topk(out, scores, lens.clamp(0, 100), 20)
 
 
+@pytest.mark.parametrize("block_stats", [False, True])
 @pytest.mark.parametrize("kind, fits", [("gaussian", True), ("sink", True), ("outlier", False)])
-def test_threshold_bin_is_small_unless_the_spread_overflows(kind, fits, monkeypatch):
+def test_threshold_bin_is_small_unless_the_spread_overflows(kind, fits, block_stats, monkeypatch):
     """The fast path: a gaussian row, and one with a 50-sigma sink, leave a few dozen
     candidates in the threshold bin (of 1111 scores, topk 50); a 1e30 outlier overflows the
     list and takes the whole-row fallback. Reads the per-row [candidates or -1, sure picks]
-    the split kernel records, the last buffer the launcher allocates."""
+    the split kernel records, the last buffer the launcher allocates. The bins placed from
+    per-64-slot statistics are as good as from the statistics kernel's."""
     allocated = []
     empty = torch.empty
 
@@ -119,10 +139,11 @@ def test_threshold_bin_is_small_unless_the_spread_overflows(kind, fits, monkeypa
 
     monkeypatch.setattr(torch, "empty", recording_empty)
     scores = make_scores(kind, (1, 1, 1120), torch.Generator().manual_seed(5))
+    lens = torch.tensor([[1111]], dtype=torch.int32)
+    stats = sel.block_stats_reference(scores, lens) if block_stats else None
     out = torch.full((1, 1, 50), -7, dtype=torch.int32)
     with np.errstate(over="ignore"):
-        sel.select_topk_triton(scores, torch.tensor([[1111]], dtype=torch.int32), 50, out,
-                               chunk=16, cap=200)
+        sel.select_topk_triton(scores, lens, 50, out, chunk=16, cap=200, block_stats=stats)
     candidates, above = allocated[-1][0].tolist()
     if fits:
         assert 0 < candidates <= 40 and above < 50 <= above + candidates
