@@ -34,6 +34,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                         help="comma list of e2e,kernels (default: full both, otherwise e2e)")
     parser.add_argument("--groups", default=None,
                         help="only these (B x T) groups of the mode, run in the order given, e.g. 16x1,16x4 (to split --full over commands)")
+    parser.add_argument("--contexts", default=None,
+                        help="only these contexts of the mode, e.g. 512,131072 (the first one also times the baselines)")
     args = parser.parse_args(argv)
     parts = args.parts or ("e2e,kernels" if args.suite == "full" else "e2e")
     args.parts = [p.strip() for p in parts.split(",") if p.strip()]
@@ -63,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench import e2e, kernel_floors, report
 
     try:
-        suite = e2e.select_groups(e2e.SUITES[args.suite], args.groups)
+        suite = e2e.select_contexts(e2e.select_groups(e2e.SUITES[args.suite], args.groups), args.contexts)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     budget_s = suite.default_budget_s if args.budget_s is None else args.budget_s

@@ -473,3 +473,14 @@ def select_groups(suite: Suite, wanted: str | None) -> Suite:
     if unknown:
         raise ValueError(f"--groups must name groups of --{suite.name} ({sorted(by_name)}); got {unknown}")
     return dataclasses.replace(suite, groups=tuple(by_name[name] for name in names))
+
+
+def select_contexts(suite: Suite, wanted: str | None) -> Suite:
+    """The suite restricted to the contexts in `wanted` ("512,131072"), in the suite's order."""
+    if not wanted:
+        return suite
+    names = {name.strip() for name in wanted.split(",") if name.strip()}
+    unknown = sorted(names - {str(c) for c in suite.contexts})
+    if unknown:
+        raise ValueError(f"--contexts must name contexts of --{suite.name} {list(suite.contexts)}; got {unknown}")
+    return dataclasses.replace(suite, contexts=tuple(c for c in suite.contexts if str(c) in names))

@@ -9,6 +9,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -76,3 +78,14 @@ def test_groups_run_in_the_order_named_and_unknown_ones_are_refused(monkeypatch)
         assert "16x1" in str(exc) and "--quick" in str(exc)
     else:
         raise AssertionError("16x1 is not a --quick group and must be refused")
+
+
+def test_contexts_keep_the_suite_order_and_unknown_ones_are_refused(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))
+    from bench import e2e
+
+    full = e2e.SUITES["full"]
+    assert e2e.select_contexts(full, "131072, 512").contexts == (512, 131072)
+    assert e2e.select_contexts(full, None) is full
+    with pytest.raises(ValueError, match="--contexts"):
+        e2e.select_contexts(full, "512,1000")
