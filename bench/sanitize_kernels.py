@@ -86,14 +86,14 @@ def sparse_mla_cases() -> None:
 # Forced configs besides the op's default launch: the GEMV loop that loads one K step ahead (its last
 # step's masked loads point past the last expert's rows: every pair on expert 255 at M=64, where
 # memcheck sees a missing mask), and the mma path with its cp.async-pipelined weight and scale-word
-# loads, in wgmma (BLOCK_M 16) and mma.sync (BLOCK_M 8: the MXFP4 defaults, here for NVFP4 and every M
-# too) operand order, and the mma loop that loads one K step ahead into registers (masked loads past the
-# last K step, as the GEMV one).
+# loads, in wgmma (BLOCK_M 16) and mma.sync (BLOCK_M 8) operand order, the unpipelined verify default
+# at every M, and the mma loop that loads one K step ahead into registers (masked loads past the last K
+# step, as the GEMV one; the decode default).
 FORCED_CONFIGS = {
     "prefetch": fp4_moe.TileConfig("gemv", 1, 16, 512, num_warps=4, prefetch=True),
     "mma16": fp4_moe.TileConfig("mma", 16, 128, 128, num_warps=4, num_stages=3),
-    "mma1w": fp4_moe.DEFAULT_CONFIGS["mma1w"],
-    "mma2w": fp4_moe.DEFAULT_CONFIGS["mma2w"],
+    "mma_staged": fp4_moe.TileConfig("mma", 8, 16, 512, num_warps=1, num_stages=2),
+    "mma_wide": fp4_moe.DEFAULT_CONFIGS["mma_wide"],
     "mma_prefetch": fp4_moe.TileConfig("mma", 8, 16, 256, num_warps=1, num_stages=1, prefetch=True),
 }
 

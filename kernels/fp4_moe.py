@@ -974,31 +974,26 @@ class TileConfig:
 
 
 # The path by average pairs per expert (M*k / E; a static shape fact, so the choice is
-# capture-safe) and format, from the H200 sweeps (bench/bench_fp4_moe.py --sweep, V4-Flash E=256,
-# k=6, bench/RESULTS.md). At 1 pair per expert (M=1, 8) one-row GEMV blocks are the fastest for
-# both formats (M=1: 0.134 ms vs 0.157 the best mma, 0.195 dot). MXFP4 above that takes the mma
-# path with 8-row blocks, few warps and a deep K step (more programs in flight per SM, each with
-# 512 reduction columns per step): M=64 (2 pairs per expert) 1.23 ms with 16-column 1-warp
-# programs vs 1.30 with 32-column 2-warp ones, 1.80 with 64-column 4-warp ones, 2.19 GEMV and 2.54
-# dot; M=256 (verify, 6 per expert) 1.92 ms with the 2-warp tile vs 2.06 16-row 1-warp, 3.29 dot
-# and 6.75 GEMV. NVFP4 takes the 1-warp tile at any of these sizes (its e4m3 scales make the
-# 2-warp tile slower: M=64 1.91 ms 1-warp vs 2.74 2-warp and 2.49 GEMV; M=256 2.73 vs 3.98 and
-# 3.11 dot), at M=64 with 256 reduction columns per step ("mma1w_nv": 1.70 ms vs 1.91 with 512).
-# At 1 pair per expert GEMV stays (M=8 MXFP4: 0.370 vs 0.378 ms 1-warp mma). Beyond 16 pairs per
-# expert (prefill) both formats take 64-row dot blocks. Where FP4 tensor cores exist
-# (sm_100+) MXFP4 keeps GEMV up to GEMV_MAX_ROWS and the dot path above, which uses tl.dot_scaled
-# there. Prefetching (see the GEMV path comment) changed the one-row GEMV by -5% to
-# +1%: that loop is bound by its instructions per weight byte, not by load latency. The mma path's
-# exactness range is in the MMA path comment (ue8m0 scales up to 2**65; the model's experts are
-# checked once, see check_mxfp4_scale_range).
+# capture-safe), from the H200 sweeps (bench/bench_fp4_moe.py --sweep, V4-Flash E=256, k=6,
+# bench/RESULTS.md "Fifth session"). At 1 pair per expert (M=1, 8) one-row GEMV blocks are the
+# fastest for both formats (MXFP4 M=1 0.085 ms vs 0.104 the best mma; M=8 0.314 vs 0.334). Above
+# that both formats take the mma path with 8-pair blocks, 32 weight rows and one warp a program,
+# without a shared-memory pipeline (num_stages 1: the weights, scale words and activations go
+# straight to registers): up to 4 pairs per expert (decode, M=64) 128 reduction columns a step with
+# the next step loaded ahead into registers (MXFP4 1.14 ms, NVFP4 1.25 ms; 1.17 / 1.26 with 256
+# columns and no prefetch, 2.43 / 2.38 for the cp.async-pipelined 16-row tiles), above that
+# (verify, M=256) 256 columns a step (MXFP4 1.70 ms, NVFP4 1.85 ms vs 2.62 / 2.74 for the pipelined
+# 2-warp tile). Beyond 16 pairs per expert (prefill) both formats take 64-row dot blocks. Where FP4
+# tensor cores exist (sm_100+) MXFP4 keeps GEMV up to GEMV_MAX_ROWS and the dot path above, which
+# uses tl.dot_scaled there. The mma path's exactness range is in the MMA path comment (ue8m0 scales
+# up to 2**65; the model's experts are checked once, see check_mxfp4_scale_range).
 GEMV_MAX_ROWS = 2
-MMA_1W_MAX_ROWS = 4
+MMA_NARROW_MAX_ROWS = 4
 DENSE_MIN_ROWS = 17
 DEFAULT_CONFIGS = {
     "gemv": TileConfig("gemv", 1, 16, 512, num_warps=4, prefetch=True),
-    "mma1w": TileConfig("mma", 8, 16, 512, num_warps=1, num_stages=2),
-    "mma1w_nv": TileConfig("mma", 8, 16, 256, num_warps=1, num_stages=2),
-    "mma2w": TileConfig("mma", 8, 32, 512, num_warps=2, num_stages=2),
+    "mma": TileConfig("mma", 8, 32, 128, num_warps=1, num_stages=1, prefetch=True),
+    "mma_wide": TileConfig("mma", 8, 32, 256, num_warps=1, num_stages=1),
     "dot16": TileConfig("dot", 16, 64, 128, num_warps=4, num_stages=2),
     "dot64": TileConfig("dot", 64, 64, 128, num_warps=4, num_stages=2),
 }
@@ -1015,9 +1010,7 @@ def size_class(pairs: int, experts: int, fmt: str, native_fp4: bool = False, mma
         return "gemv" if average <= GEMV_MAX_ROWS else "dot16"
     if average == 1:
         return "gemv"
-    if fmt == "nvfp4":
-        return "mma1w_nv" if average <= MMA_1W_MAX_ROWS else "mma1w"
-    return "mma2w" if average > MMA_1W_MAX_ROWS else "mma1w"
+    return "mma" if average <= MMA_NARROW_MAX_ROWS else "mma_wide"
 
 
 def choose_config(pairs: int, experts: int, fmt: str, native_fp4: bool = False,

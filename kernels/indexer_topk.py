@@ -33,8 +33,10 @@ MIN_HEADS, MAX_HEADS = 4, 128
 MAX_HEAD_DIM = 256
 _Q_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.float32)
 _K_DTYPES = (torch.float8_e4m3fn, torch.bfloat16, torch.float32)
-# The scoring kernel writes each page's score statistics, so the selection skips that pass.
-DEFAULT_FUSE_STATS = True
+# Whether the scoring kernel writes each page's score statistics (so the selection skips that
+# pass). Off: on the H200 (B=64, 128K, fp8, bench_indexer.py --sweep) the fused epilogue cost more
+# than the pass it saves: T=1 142 vs 121 us, T=4 374 vs 270 us for the whole op.
+DEFAULT_FUSE_STATS = False
 # Register cap of the scoring kernel with fp8 dots, by its warps (sm_90 cross-compiles, H=64,
 # stats on, 2-3 stages, no spills when capped: T=1 at 4 warps takes 79 uncapped, 72 capped, so
 # 7 programs an SM fit instead of 6; T=4 at 8 warps 150-154 uncapped, 128 capped: 2 instead

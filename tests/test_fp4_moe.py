@@ -238,7 +238,7 @@ def test_each_path_matches_reference(path_config, fmt):
     assert_close_scaled(moe.combine_pairs(pairs, ids, experts, x.dtype), want, torch.float32)
 
 
-@pytest.mark.parametrize("name", ["mma1w", "mma1w_nv", "mma2w"])
+@pytest.mark.parametrize("name", ["mma", "mma_wide"])
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 def test_mma_several_scale_groups_per_lane(fmt, name):
     """The default mma tiles with their BLOCK_K = 256 or 512 (the other tests' K and I fit BLOCK_K to at
@@ -275,15 +275,15 @@ def test_all_tokens_on_one_expert(config):
 @pytest.mark.parametrize(
     "tokens, mxfp4, nvfp4, mxfp4_native",
     [(1, "gemv", "gemv", "gemv"), (8, "gemv", "gemv", "gemv"), (42, "gemv", "gemv", "gemv"),
-     (43, "mma1w", "mma1w_nv", "gemv"), (64, "mma1w", "mma1w_nv", "gemv"), (85, "mma1w", "mma1w_nv", "gemv"),
-     (86, "mma1w", "mma1w_nv", "dot16"), (170, "mma1w", "mma1w_nv", "dot16"), (171, "mma2w", "mma1w", "dot16"),
-     (256, "mma2w", "mma1w", "dot16"), (682, "mma2w", "mma1w", "dot16"), (683, "dot64", "dot64", "dot64"),
+     (43, "mma", "mma", "gemv"), (64, "mma", "mma", "gemv"), (85, "mma", "mma", "gemv"),
+     (86, "mma", "mma", "dot16"), (170, "mma", "mma", "dot16"), (171, "mma_wide", "mma_wide", "dot16"),
+     (256, "mma_wide", "mma_wide", "dot16"), (682, "mma_wide", "mma_wide", "dot16"), (683, "dot64", "dot64", "dot64"),
      (4096, "dot64", "dot64", "dot64")],
 )
 def test_size_class_rule(tokens, mxfp4, nvfp4, mxfp4_native):
     """V4-Flash (E=256, k=6): one pair per expert takes one-row GEMV blocks; decode (M=64) and
-    verify (M=256) take the mma path (MXFP4: 1 warp up to 4 pairs per expert, then 2; NVFP4: 1
-    warp, 256 reduction columns per step up to 4 pairs per expert, then 512), except MXFP4 on GPUs with FP4 tensor cores (GEMV up to 2 pairs, then tl.dot_scaled);
+    verify (M=256) take the mma path (128 reduction columns a step up to 4 pairs per expert, then
+    256), except MXFP4 on GPUs with FP4 tensor cores (GEMV up to 2 pairs, then tl.dot_scaled);
     prefill takes 64-row dot blocks. NVFP4 never uses tl.dot_scaled, so `native` leaves it alone."""
     pairs, experts = tokens * 6, 256
     cases = (("mxfp4", False, mxfp4), ("nvfp4", False, nvfp4), ("mxfp4", True, mxfp4_native),
@@ -340,7 +340,7 @@ def test_nvfp4_default_config_with_k_and_i_odd_multiples_of_16():
     avoids the mma path (which needs 32) at every size class, through the op."""
     w = make_experts("nvfp4", 2, 48, 48, seed=31)
     # 3 and 9 pairs per expert: the two NVFP4 mma size classes at K, I multiples of 32
-    for tokens, mma_class in ((3, "mma1w_nv"), (9, "mma1w")):
+    for tokens, mma_class in ((3, "mma"), (9, "mma_wide")):
         ids, weights = make_routing(tokens, 2, 2, "random", seed=31 + tokens)
         x = torch.randn(tokens, 48, generator=torch.Generator().manual_seed(tokens))
         assert moe.size_class(tokens * 2, 2, "nvfp4") == mma_class
