@@ -66,6 +66,20 @@ def require(cond: bool, reason: str) -> None:
         raise Decline(reason)
 
 
+def replace_with_mul_sum(graph: Graph, product: Node) -> Node:
+    """Replaces `product` (aten.mm a [M, K] @ b [K, N], or aten.bmm a [G, M, K] @ b [G, K, N]) by
+    sum(a[..., :, :, None] * b[..., None, :, :], dim=-2) and returns the new node."""
+    a, b = product.args
+    rank = 3 if product.target == aten.bmm.default else 2
+    with graph.inserting_before(product):
+        terms = call(graph, aten.mul.Tensor, (call(graph, aten.unsqueeze.default, (a, rank)),
+                                              call(graph, aten.unsqueeze.default, (b, rank - 2))))
+        total = call(graph, aten.sum.dim_IntList, (terms, [rank - 1]))
+    product.replace_all_uses_with(total)
+    graph.erase_node(product)
+    return total
+
+
 def call(graph: Graph, target, args: tuple) -> Node:
     """A new call_function node with its meta["val"] computed on the fake values of args."""
     node = graph.call_function(target, args)

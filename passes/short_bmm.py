@@ -21,14 +21,14 @@ import logging
 import torch
 from torch.fx import Graph, Node
 
-from .fx_match import aten, call, shape, val
+from .fx_match import aten, replace_with_mul_sum, shape, val
 
 PASS_NAME = "short_bmm"
 MAX_REDUCTION = 8
 
 log = logging.getLogger("dsv4_compile")
 
-_PRODUCTS = {aten.bmm.default: 3, aten.mm.default: 2}
+_PRODUCTS = (aten.bmm.default, aten.mm.default)
 
 
 def _is_candidate(node: Node) -> bool:
@@ -48,14 +48,8 @@ def apply(graph: Graph, report) -> int:
     rewrites = 0
     for product in [n for n in graph.nodes if _is_candidate(n)]:
         a, b = product.args
-        rank = _PRODUCTS[product.target]
-        with graph.inserting_before(product):
-            terms = call(graph, aten.mul.Tensor, (call(graph, aten.unsqueeze.default, (a, rank)),
-                                                  call(graph, aten.unsqueeze.default, (b, rank - 2))))
-            total = call(graph, aten.sum.dim_IntList, (terms, [rank - 1]))
         report.record(PASS_NAME, product, True, f"{list(shape(a))} @ {list(shape(b))}")
-        product.replace_all_uses_with(total)
-        graph.erase_node(product)
+        replace_with_mul_sum(graph, product)
         rewrites += 1
     log.debug("short_bmm: %d rewrite(s)", rewrites)
     return rewrites

@@ -19,7 +19,7 @@ import logging
 import torch
 from torch.fx import Graph, Node
 
-from .fx_match import Decline, aten, call, require, shape, val
+from .fx_match import Decline, aten, replace_with_mul_sum, require, shape, val
 
 PASS_NAME = "skinny_mm"
 MAX_COLUMNS = 32
@@ -60,13 +60,8 @@ def apply(graph: Graph, report) -> int:
             report.record(PASS_NAME, mm, False, str(why))
             continue
         a, b = mm.args
-        with graph.inserting_before(mm):
-            product = call(graph, aten.mul.Tensor, (call(graph, aten.unsqueeze.default, (a, 2)),
-                                                    call(graph, aten.unsqueeze.default, (b, 0))))
-            total = call(graph, aten.sum.dim_IntList, (product, [1]))
         report.record(PASS_NAME, mm, True, f"[{shape(a)[0]}, {shape(a)[1]}] @ [{shape(b)[0]}, {shape(b)[1]}]")
-        mm.replace_all_uses_with(total)
-        graph.erase_node(mm)
+        replace_with_mul_sum(graph, mm)
         rewrites += 1
     log.debug("skinny_mm: %d rewrite(s)", rewrites)
     return rewrites
