@@ -570,13 +570,13 @@ def pick_config(batch: int, tokens: int, heads: int, head_dim: int, num_idx_tota
     """The launch config for these shapes: DEFAULT_TILES of the row format (16 heads of one token a
     program, all value columns).
 
-    H200 sweep at B=64, H=64, Dh 512 (bench/bench_sparse_mla.py --sweep, bench/RESULTS.md; run
-    before the tile loop carried the next tile's indices, i.e. with one gather in flight): with
-    bf16 rows, 16 heads x 512 columns, 4 warps, 2 stages (50,304 B of shared memory on sm_90 and
-    sm_120; 50,432 B now) beat 64 heads with the value columns split over two programs (the widest MQA tile
-    reuse) by 1.3-1.6x (CSA T=1: 63.6 vs 99.1 us). FP8 rows: 8 warps, 1 stage (81,920 B): the
-    in-register dequantisation spills with more heads or stages. Small grids split the index
-    positions (split-K) so that about two programs run per SM.
+    H200 sweep at B=64, H=64, Dh 512 (bench/bench_sparse_mla.py --sweep, bench/RESULTS.md "Fifth
+    session", with the gather of the next tile in flight): bf16 rows, 16 heads x 512 columns,
+    BLOCK_N 32, 4 warps, 2 stages (50,432 B of shared memory) stayed the fastest: CSA T=1 61.1 us
+    vs 73.5 for 64 heads in one program (wgmma), 76.8 with 3 stages, 107.7 with BLOCK_N 16 (3
+    blocks an SM) and 139.6 with 8 warps. FP8 rows: 8 warps, 1 stage (81,920 B): the in-register
+    dequantisation spills with more heads or stages. Small grids split the index positions
+    (split-K) so that about two programs run per SM.
     """
     h_block, block_dv, block_n, num_warps, num_stages, prefetch, max_splits = DEFAULT_TILES[
         "fp8" if fp8_rows else "bf16"]
