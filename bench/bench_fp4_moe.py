@@ -283,23 +283,19 @@ def _mma(block_m, block_n, block_k, warps, stages, prefetch=False):
 
 # Candidates per M at V4-Flash sizes (E=256, k=6); the table marks the default (`choose_config`). M=1
 # and 8 share their list (one size class) so they compile once. The mma entries are the swap-AB
-# tensor-core path (fp4_moe's MMA path comment); the current defaults (MXFP4 8x16x512 1 warp at M=64,
-# 8x32x512 2 warps at M=256; NVFP4 8x16x256 1 warp at M=64, 8x16x512 at M=256; GEMV at M=1, 8) run
-# beside 1-warp tiles with more weight rows per warp and a shorter K step (one activation fragment
-# serves BLOCK_N / 16 MMA row tiles: fewer activation bytes through L1 per weight byte, which bound the
-# 16-row tile in the fifth session's ncu profile) and 1-warp tiles without cp.async pipelining
-# (num_stages=1: in the sm_90 build of 8x32x256 and 8x64x128 the weights and activations then load
-# straight into registers, no shared memory at all), with prefetch=True loading the next K step into
-# registers before the current one is decoded. Configs that lost in every earlier sweep were dropped.
-# 40 (config, M, format) rows: some 5 minutes on the H200 with compiles.
-_DECODE = [_gemv(1, 16, 512, 4, True), _mma(8, 32, 256, 1, 2), _mma(8, 32, 256, 1, 1)]
+# tensor-core path (fp4_moe's MMA path comment), all on one warp and without cp.async (every
+# pipelined variant lost in the third to fifth sessions' sweeps): with prefetch=True two K steps a
+# turn, each loaded a step ahead into registers (BLOCK_K 64 or 128, fewer weight rows for fewer
+# registers), beside the plain loop with 256-column steps (the verify default). 32 (config, M,
+# format) rows: some 2 minutes on the H200 with compiles.
+_DECODE = [_gemv(1, 16, 512, 4, True), _mma(8, 32, 128, 1, 1, True), _mma(8, 16, 128, 1, 1, True)]
 SWEEP_CANDIDATES = {
     1: _DECODE,
     8: _DECODE,
-    64: [_mma(8, 16, 512, 1, 2), _mma(8, 16, 256, 1, 2), _mma(8, 32, 256, 1, 2), _mma(8, 64, 128, 1, 3),
-         _mma(8, 32, 256, 1, 1), _mma(8, 64, 128, 1, 1), _mma(8, 16, 256, 1, 1, True), _mma(8, 32, 128, 1, 1, True)],
-    256: [_mma(8, 32, 512, 2, 2), _mma(8, 16, 512, 1, 2), _mma(8, 16, 256, 1, 2), _mma(8, 32, 256, 1, 2),
-          _mma(8, 32, 256, 1, 1), _mma(8, 16, 256, 1, 1, True)],
+    64: [_mma(8, 32, 128, 1, 1, True), _mma(8, 32, 64, 1, 1, True), _mma(8, 16, 128, 1, 1, True),
+         _mma(8, 64, 64, 1, 1, True), _mma(8, 64, 128, 2, 1, True), _mma(8, 32, 256, 1, 1)],
+    256: [_mma(8, 32, 256, 1, 1), _mma(8, 32, 128, 1, 1, True), _mma(8, 32, 64, 1, 1, True),
+          _mma(8, 16, 128, 1, 1, True)],
 }
 
 

@@ -552,9 +552,15 @@ def _down_gemv_kernel(
 #   up to 4 times and, for NVFP4, doubled the scale traffic through L1).
 # With num_stages=1 there is no cp.async and, where the per-thread words are one 16-byte vector or
 # fewer per (quad lane, row) pair of tiles, no shared memory at all (sm_90 builds of 8x32x256 and
-# 8x64x128 on 1 warp); TileConfig.prefetch then loads the next K step's activations, words and scale
-# words into registers before decoding the current ones, held at the top of the loop by a barrier as
-# in the GEMV path (see its comment).
+# 8x64x128 on 1 warp). TileConfig.prefetch then runs two K steps a turn, each loaded into registers a
+# step ahead (load b; decode and multiply a; load the next a; decode and multiply b), which the H200
+# profile of a one-step loop showed is what it takes for the loads to stay in flight: with one
+# buffer, ptxas copied each loaded register into the loop-carried one at the end of the iteration
+# (waiting for the load there), and carried bf16 activations as 16-bit halves it had to unpack, also
+# at the end (36% of the stall samples sat on one such unpack). With two buffers a buffer's
+# registers are free when its next load is issued; the activations are loaded and carried as int32
+# words of two values (`_mma_load_act`); and `_cta_zero` keeps each step's decode below the barrier
+# that follows the other buffer's loads (ptxas otherwise moved the decode above the loads).
 
 
 @functools.lru_cache(maxsize=None)
@@ -581,17 +587,18 @@ def _mma_kpack(x: torch.Tensor, config: TileConfig) -> int:
 
 
 @triton.jit
-def _e2m1_pair_bits(words, Q: tl.constexpr):
+def _e2m1_pair_bits(words, Q: tl.constexpr, zero):
     """uint32 words of 8 e2m1 codes -> uint32 with codes Q and Q + 4 (Q in 0..3) as the bf16 bits of
     value * 2**-126 in the low and high half. The masked nibbles times 2**6 + 2**12 (the two copies do
-    not overlap) put each code's magnitude at bits 6..8 and its sign at bit 15 of its half."""
+    not overlap) put each code's magnitude at bits 6..8 and its sign at bit 15 of its half. `zero`
+    (0 at run time) enters the first operation on the words (see `_cta_zero`)."""
     w = words
     if Q >= 2:
-        w = words >> 8
+        w = words >> (8 + zero)
     if Q % 2 == 0:
-        bits = ((w & 0x000F000F) * 0x1040) & 0x81C081C0
+        bits = ((w & (0x000F000F | zero)) * 0x1040) & 0x81C081C0
     else:
-        bits = ((w & 0x00F000F0) * 0x0104) & 0x81C081C0
+        bits = ((w & (0x00F000F0 | zero)) * 0x0104) & 0x81C081C0
     return bits
 
 
@@ -650,11 +657,12 @@ def _mma_load_weights(w_ptr, s_ptr, row0, n_rows, k0, stride_w, stride_s,
 
 
 @triton.jit
-def _mma_decode_weights(words, s_words, k0,
+def _mma_decode_weights(words, s_words, k0, zero,
                         IS_MX: tl.constexpr, GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, NUM_WARPS: tl.constexpr, KPACK: tl.constexpr):
     """`_mma_load_weights`' words and scale words of the tile at k0 -> [BLOCK_N, BLOCK_K] DOT_DTYPE
-    value * scale * 2**-64 (without the nvfp4 global scale), columns in the MMA path's order."""
+    value * scale * 2**-64 (without the nvfp4 global scale), columns in the MMA path's order. `zero`: see
+    `_cta_zero`."""
     U: tl.constexpr = BLOCK_K // 32
     WPG: tl.constexpr = GROUP // 8
     REP: tl.constexpr = BLOCK_N // (16 * NUM_WARPS)
@@ -662,7 +670,7 @@ def _mma_decode_weights(words, s_words, k0,
     SWQ: tl.constexpr = SPQ // 4 if SPQ >= 4 else 1
     BPW: tl.constexpr = SPQ // SWQ  # scale bytes used of each scale word
     q = tl.arange(0, 4)[:, None, None, None, None, None]
-    s_word = s_words >> ((k0 // GROUP + (q * U) // WPG) % 4) * 8
+    s_word = s_words >> (((k0 // GROUP + (q * U) // WPG) % 4) * 8 + zero)
     # Bytes split with joins (a new register dimension) rather than a broadcast, which Triton would
     # lay out differently from the words and convert through shared memory.
     if BPW == 1:
@@ -675,10 +683,10 @@ def _mma_decode_weights(words, s_words, k0,
     scale = _mma_scale(tl.reshape(s_raw, (4, 8, NUM_WARPS, 2, REP, SPQ)), IS_MX)
     scale = tl.reshape(scale, (4, 8, NUM_WARPS, 2, REP, SPQ, 1, 1))
     w = tl.reshape(words.to(tl.uint32, bitcast=True), (4, 8, NUM_WARPS, 2, REP, SPQ, U // SPQ))
-    pairs = tl.join(tl.join(_scaled_pair(_e2m1_pair_bits(w, 0), scale, DOT_DTYPE),
-                            _scaled_pair(_e2m1_pair_bits(w, 1), scale, DOT_DTYPE)),
-                    tl.join(_scaled_pair(_e2m1_pair_bits(w, 2), scale, DOT_DTYPE),
-                            _scaled_pair(_e2m1_pair_bits(w, 3), scale, DOT_DTYPE)))
+    pairs = tl.join(tl.join(_scaled_pair(_e2m1_pair_bits(w, 0, zero), scale, DOT_DTYPE),
+                            _scaled_pair(_e2m1_pair_bits(w, 1, zero), scale, DOT_DTYPE)),
+                    tl.join(_scaled_pair(_e2m1_pair_bits(w, 2, zero), scale, DOT_DTYPE),
+                            _scaled_pair(_e2m1_pair_bits(w, 3, zero), scale, DOT_DTYPE)))
     pairs = tl.reshape(pairs, (4, 8, NUM_WARPS, 2, REP, U, 2, 2, 2))  # [q, lane_row, warp, half, rep, u, a, b, c]
     if KPACK == 1:
         pairs = tl.permute(pairs, (4, 2, 3, 1, 5, 8, 7, 0, 6))  # rows (rep, warp, half, lane_row), k (u, c, b, q, a)
@@ -688,30 +696,89 @@ def _mma_decode_weights(words, s_words, k0,
 
 
 @triton.jit
-def _mma_load_act(a_ptr, a_rows, row_mask, k0, stride_a, BLOCK_K: tl.constexpr):
+def _mma_load_act(a_ptr, a_rows, row_mask, k0, stride_a, BLOCK_K: tl.constexpr, PACKED: tl.constexpr):
     """Activation rows `a_rows` [BLOCK_M] (zeros where not row_mask) x columns [k0, k0 + BLOCK_K) of a
     row-major matrix, as the threads hold them: [quad lane q, row, word u, 8 values] with column
     k0 + 8 (q U + u) + v, U = BLOCK_K / 32. The 8 values of a word are one 16-byte vector and Triton's
     coalescer gives the quad lanes and rows to the lanes as the MMA operand layout does, so each thread
-    loads exactly the activations its own weight words meet."""
+    loads exactly the activations its own weight words meet. PACKED: a_ptr is a bf16 matrix seen as
+    int32 (two values a word, stride_a in words), returned as [q, row, u, 4] words (`_mma_act_operand`)."""
     U: tl.constexpr = BLOCK_K // 32
+    V: tl.constexpr = 4 if PACKED else 8
     q = tl.arange(0, 4)[:, None, None, None]
     u = tl.arange(0, U)[None, None, :, None]
-    v = tl.arange(0, 8)[None, None, None, :]
-    offs = a_rows[None, :, None, None].to(tl.int64) * stride_a + (k0 + 8 * (q * U + u) + v)
-    return tl.load(a_ptr + offs, mask=row_mask[None, :, None, None], other=0.0)
+    v = tl.arange(0, V)[None, None, None, :]
+    offs = a_rows[None, :, None, None].to(tl.int64) * stride_a + ((k0 * V) // 8 + V * (q * U + u) + v)
+    return tl.load(a_ptr + offs, mask=row_mask[None, :, None, None], other=0)
 
 
 @triton.jit
-def _mma_act_order(vals, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, KPACK: tl.constexpr):
-    """`_mma_load_act`'s [4, BLOCK_M, U, 8] -> [BLOCK_K, BLOCK_M], the reduction index in the MMA path's
-    order (the order in which `_mma_decode_weights` returns a quad lane's codes); in registers."""
+def _cta_zero(COMPILED: tl.constexpr):
+    """A CTA barrier that returns int32 0, which the compilers cannot see through: the loop's later
+    loads cannot move above it (a barrier orders memory operations), and the decoding that takes
+    the 0 into its first operation cannot move above it either, so a K step loaded before the barrier
+    stays in flight while the previous step is decoded (see the MMA path comment)."""
+    if COMPILED:
+        zero = tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.u32 p, $1, $1; bar.red.or.pred p, 0, p; selp.u32 $0, 1, 0, p; }",
+            "=r,r", [tl.program_id(0)], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        zero = 0
+    return zero
+
+
+@triton.jit
+def _mma_act_operand(raw, zero, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, KPACK: tl.constexpr,
+                     PACKED: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """`_mma_load_act`'s tile -> [BLOCK_K, BLOCK_M] DOT_DTYPE, the reduction index in the MMA path's
+    order (the order in which `_mma_decode_weights` returns a quad lane's codes); in registers.
+    `zero`: see `_cta_zero`."""
+    if PACKED:
+        words = raw.to(tl.uint32, bitcast=True)
+        if DOT_DTYPE == tl.bfloat16:
+            low = (words & (0xFFFF | zero)).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            high = (words >> (16 + zero)).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        else:  # exact: a bf16 is the high half of an f32 (the interpreter's path: not pinned)
+            low = (words << 16).to(tl.float32, bitcast=True)
+            high = (words & 0xFFFF0000).to(tl.float32, bitcast=True)
+        vals = tl.join(low, high)  # [q, row, u, 4, 2]: value 2 * word + half
+    else:
+        vals = raw.to(DOT_DTYPE)
     vals = tl.reshape(vals, (4, BLOCK_M, BLOCK_K // 32, 2, 2, 2))  # [q, row, u, a, c, b]: v = 4a + 2c + b
     if KPACK == 1:
         vals = tl.permute(vals, (2, 4, 5, 0, 3, 1))  # k (u, c, b, q, a)
     else:
         vals = tl.permute(vals, (2, 4, 0, 5, 3, 1))  # k (u, c, q, b, a)
     return tl.reshape(vals, (BLOCK_K, BLOCK_M))
+
+
+@triton.jit
+def _gate_up_mma_loads(x_ptr, token, row_mask, w_base, s_base, u_base, us_base, col0, k0, live,
+                       stride_x, stride_wn, stride_sn, I: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, NUM_WARPS: tl.constexpr, PACKED: tl.constexpr):
+    """One K step's activations, gate words and scale words, up words and scale words (zeros where
+    not `live`)."""
+    x_raw = _mma_load_act(x_ptr, token, row_mask & live, k0, stride_x, BLOCK_K, PACKED)
+    n_rows = tl.where(live, I, 0)
+    g_words, g_scales = _mma_load_weights(w_base, s_base, col0, n_rows, k0, stride_wn, stride_sn,
+                                          GROUP, BLOCK_N, BLOCK_K, NUM_WARPS)
+    u_words, u_scales = _mma_load_weights(u_base, us_base, col0, n_rows, k0, stride_wn, stride_sn,
+                                          GROUP, BLOCK_N, BLOCK_K, NUM_WARPS)
+    return x_raw, g_words, g_scales, u_words, u_scales
+
+
+@triton.jit
+def _gate_up_mma_step(acc_gate, acc_up, x_raw, g_words, g_scales, u_words, u_scales, k0, zero,
+                      IS_MX: tl.constexpr, GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_WARPS: tl.constexpr, KPACK: tl.constexpr,
+                      PACKED: tl.constexpr):
+    """Both accumulators [BLOCK_N, BLOCK_M] plus the K step at k0 of `_gate_up_mma_loads`' tiles."""
+    xt = _mma_act_operand(x_raw, zero, BLOCK_M, BLOCK_K, KPACK, PACKED, DOT_DTYPE)
+    gate_w = _mma_decode_weights(g_words, g_scales, k0, zero, IS_MX, GROUP, DOT_DTYPE, BLOCK_N, BLOCK_K, NUM_WARPS, KPACK)
+    acc_gate = tl.dot(gate_w, xt, acc_gate, input_precision="ieee")
+    up_w = _mma_decode_weights(u_words, u_scales, k0, zero, IS_MX, GROUP, DOT_DTYPE, BLOCK_N, BLOCK_K, NUM_WARPS, KPACK)
+    acc_up = tl.dot(up_w, xt, acc_up, input_precision="ieee")
+    return acc_gate, acc_up
 
 
 @triton.jit
@@ -724,9 +791,11 @@ def _gate_up_mma_kernel(
     K: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
     HAS_LIMIT: tl.constexpr, IS_MX: tl.constexpr, GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_WARPS: tl.constexpr, KPACK: tl.constexpr, PREFETCH: tl.constexpr,
+    NUM_WARPS: tl.constexpr, KPACK: tl.constexpr, PREFETCH: tl.constexpr, PACKED: tl.constexpr,
+    COMPILED: tl.constexpr,
 ):
-    """x [M, K], w13 / scales as int32 words -> hidden [M*k, I] (rows in sorted-pair order)."""
+    """x [M, K] (int32 pairs where PACKED), w13 / scales as int32 words -> hidden [M*k, I] (rows in
+    sorted-pair order)."""
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert >= E:
@@ -739,38 +808,33 @@ def _gate_up_mma_kernel(
     col0 = tl.program_id(1) * BLOCK_N
     w_base = w13_ptr + expert.to(tl.int64) * stride_we
     s_base = s13_ptr + expert.to(tl.int64) * stride_se
+    u_base, us_base = w_base + I * stride_wn, s_base + I * stride_sn
     acc_gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    u_base, us_base = w_base + I * stride_wn, s_base + I * stride_sn
-    if PREFETCH:
-        x_next = _mma_load_act(x_ptr, token, row_mask, 0, stride_x, BLOCK_K)
-        g_next, gs_next = _mma_load_weights(w_base, s_base, col0, I, 0, stride_wn, stride_sn,
-                                            GROUP, BLOCK_N, BLOCK_K, NUM_WARPS)
-        u_next, us_next = _mma_load_weights(u_base, us_base, col0, I, 0, stride_wn, stride_sn,
-                                            GROUP, BLOCK_N, BLOCK_K, NUM_WARPS)
-    for k0 in range(0, K, BLOCK_K):
-        if PREFETCH:  # see the MMA path comment
-            x_raw, g_words, g_scales, u_words, u_scales = x_next, g_next, gs_next, u_next, us_next
-            live = k0 + BLOCK_K < K
-            x_next = _mma_load_act(x_ptr, token, row_mask & live, k0 + BLOCK_K, stride_x, BLOCK_K)
-            g_next, gs_next = _mma_load_weights(w_base, s_base, col0, tl.where(live, I, 0), k0 + BLOCK_K,
-                                                stride_wn, stride_sn, GROUP, BLOCK_N, BLOCK_K, NUM_WARPS)
-            u_next, us_next = _mma_load_weights(u_base, us_base, col0, tl.where(live, I, 0), k0 + BLOCK_K,
-                                                stride_wn, stride_sn, GROUP, BLOCK_N, BLOCK_K, NUM_WARPS)
-            tl.debug_barrier()
-        else:
-            x_raw = _mma_load_act(x_ptr, token, row_mask, k0, stride_x, BLOCK_K)
-            g_words, g_scales = _mma_load_weights(w_base, s_base, col0, I, k0, stride_wn, stride_sn,
-                                                  GROUP, BLOCK_N, BLOCK_K, NUM_WARPS)
-            u_words, u_scales = _mma_load_weights(u_base, us_base, col0, I, k0, stride_wn, stride_sn,
-                                                  GROUP, BLOCK_N, BLOCK_K, NUM_WARPS)
-        xt = _mma_act_order(x_raw, BLOCK_M, BLOCK_K, KPACK).to(DOT_DTYPE)
-        gate_w = _mma_decode_weights(g_words, g_scales, k0, IS_MX, GROUP, DOT_DTYPE, BLOCK_N, BLOCK_K, NUM_WARPS,
-                                     KPACK)
-        acc_gate = tl.dot(gate_w, xt, acc_gate, input_precision="ieee")
-        up_w = _mma_decode_weights(u_words, u_scales, k0, IS_MX, GROUP, DOT_DTYPE, BLOCK_N, BLOCK_K, NUM_WARPS,
-                                   KPACK)
-        acc_up = tl.dot(up_w, xt, acc_up, input_precision="ieee")
+    if PREFETCH:  # two K steps a turn, each loaded a step ahead (see the MMA path comment)
+        xa, ga, gsa, ua, usa = _gate_up_mma_loads(x_ptr, token, row_mask, w_base, s_base, u_base, us_base, col0, 0,
+                                                  True, stride_x, stride_wn, stride_sn, I, GROUP, BLOCK_N,
+                                                  BLOCK_K, NUM_WARPS, PACKED)
+        for k0 in range(0, K, 2 * BLOCK_K):
+            xb, gb, gsb, ub, usb = _gate_up_mma_loads(x_ptr, token, row_mask, w_base, s_base, u_base, us_base, col0,
+                                                      k0 + BLOCK_K, k0 + BLOCK_K < K, stride_x, stride_wn,
+                                                      stride_sn, I, GROUP, BLOCK_N, BLOCK_K, NUM_WARPS, PACKED)
+            zero = _cta_zero(COMPILED)
+            acc_gate, acc_up = _gate_up_mma_step(acc_gate, acc_up, xa, ga, gsa, ua, usa, k0, zero, IS_MX, GROUP,
+                                                 DOT_DTYPE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, KPACK, PACKED)
+            xa, ga, gsa, ua, usa = _gate_up_mma_loads(x_ptr, token, row_mask, w_base, s_base, u_base, us_base, col0,
+                                                      k0 + 2 * BLOCK_K, k0 + 2 * BLOCK_K < K, stride_x, stride_wn,
+                                                      stride_sn, I, GROUP, BLOCK_N, BLOCK_K, NUM_WARPS, PACKED)
+            zero = _cta_zero(COMPILED)
+            acc_gate, acc_up = _gate_up_mma_step(acc_gate, acc_up, xb, gb, gsb, ub, usb, k0 + BLOCK_K, zero, IS_MX,
+                                                 GROUP, DOT_DTYPE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, KPACK, PACKED)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            xa, ga, gsa, ua, usa = _gate_up_mma_loads(x_ptr, token, row_mask, w_base, s_base, u_base, us_base, col0,
+                                                      k0, True, stride_x, stride_wn, stride_sn, I, GROUP, BLOCK_N,
+                                                      BLOCK_K, NUM_WARPS, PACKED)
+            acc_gate, acc_up = _gate_up_mma_step(acc_gate, acc_up, xa, ga, gsa, ua, usa, k0, 0, IS_MX, GROUP,
+                                                 DOT_DTYPE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, KPACK, PACKED)
     fix = 2.0**64  # the 2**-64 of the decoded weights
     if not IS_MX:
         fix = fix * tl.load(g13_ptr + expert)
@@ -787,6 +851,27 @@ def _gate_up_mma_kernel(
 
 
 @triton.jit
+def _down_mma_loads(h_ptr, rows, row_mask, w_base, s_base, col0, k0, live, stride_h, stride_wn, stride_sn,
+                    K: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    NUM_WARPS: tl.constexpr, PACKED: tl.constexpr):
+    """One K step's hidden rows, w2 words and scale words (zeros where not `live`)."""
+    h_raw = _mma_load_act(h_ptr, rows, row_mask & live, k0, stride_h, BLOCK_K, PACKED)
+    words, scales = _mma_load_weights(w_base, s_base, col0, tl.where(live, K, 0), k0, stride_wn, stride_sn,
+                                      GROUP, BLOCK_N, BLOCK_K, NUM_WARPS)
+    return h_raw, words, scales
+
+
+@triton.jit
+def _down_mma_step(acc, h_raw, words, scales, k0, zero, IS_MX: tl.constexpr, GROUP: tl.constexpr,
+                   DOT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   NUM_WARPS: tl.constexpr, KPACK: tl.constexpr, PACKED: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] plus the K step at k0 of `_down_mma_loads`' tiles."""
+    ht = _mma_act_operand(h_raw, zero, BLOCK_M, BLOCK_K, KPACK, PACKED, DOT_DTYPE)
+    w = _mma_decode_weights(words, scales, k0, zero, IS_MX, GROUP, DOT_DTYPE, BLOCK_N, BLOCK_K, NUM_WARPS, KPACK)
+    return tl.dot(w, ht, acc, input_precision="ieee")
+
+
+@triton.jit
 def _down_mma_kernel(
     hidden_ptr, order_ptr, block_expert_ptr, block_start_ptr, block_end_ptr, weights_ptr,
     w2_ptr, s2_ptr, g2_ptr, pair_out_ptr,
@@ -794,9 +879,11 @@ def _down_mma_kernel(
     stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_o,
     K: tl.constexpr, I: tl.constexpr, IS_MX: tl.constexpr, GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_WARPS: tl.constexpr, KPACK: tl.constexpr, PREFETCH: tl.constexpr,
+    NUM_WARPS: tl.constexpr, KPACK: tl.constexpr, PREFETCH: tl.constexpr, PACKED: tl.constexpr,
+    COMPILED: tl.constexpr,
 ):
-    """hidden [M*k, I], w2 / scales as int32 words -> weighted pair outputs [M*k, K] f32."""
+    """hidden [M*k, I] (int32 pairs where PACKED), w2 / scales as int32 words -> weighted pair
+    outputs [M*k, K] f32."""
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert >= E:
@@ -809,25 +896,28 @@ def _down_mma_kernel(
     w_base = w2_ptr + expert.to(tl.int64) * stride_we
     s_base = s2_ptr + expert.to(tl.int64) * stride_se
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    if PREFETCH:
-        h_next = _mma_load_act(hidden_ptr, rows, row_mask, 0, stride_h, BLOCK_K)
-        w_next, s_next = _mma_load_weights(w_base, s_base, col0, K, 0, stride_wn, stride_sn,
-                                           GROUP, BLOCK_N, BLOCK_K, NUM_WARPS)
-    for k0 in range(0, I, BLOCK_K):
-        if PREFETCH:  # see the MMA path comment
-            h_raw, words, scales = h_next, w_next, s_next
-            live = k0 + BLOCK_K < I
-            h_next = _mma_load_act(hidden_ptr, rows, row_mask & live, k0 + BLOCK_K, stride_h, BLOCK_K)
-            w_next, s_next = _mma_load_weights(w_base, s_base, col0, tl.where(live, K, 0), k0 + BLOCK_K,
-                                               stride_wn, stride_sn, GROUP, BLOCK_N, BLOCK_K, NUM_WARPS)
-            tl.debug_barrier()
-        else:
-            h_raw = _mma_load_act(hidden_ptr, rows, row_mask, k0, stride_h, BLOCK_K)
-            words, scales = _mma_load_weights(w_base, s_base, col0, K, k0, stride_wn, stride_sn,
-                                              GROUP, BLOCK_N, BLOCK_K, NUM_WARPS)
-        ht = _mma_act_order(h_raw, BLOCK_M, BLOCK_K, KPACK).to(DOT_DTYPE)
-        w = _mma_decode_weights(words, scales, k0, IS_MX, GROUP, DOT_DTYPE, BLOCK_N, BLOCK_K, NUM_WARPS, KPACK)
-        acc = tl.dot(w, ht, acc, input_precision="ieee")
+    if PREFETCH:  # as in _gate_up_mma_kernel
+        ha, wa, sa = _down_mma_loads(hidden_ptr, rows, row_mask, w_base, s_base, col0, 0, True, stride_h, stride_wn,
+                                     stride_sn, K, GROUP, BLOCK_N, BLOCK_K, NUM_WARPS, PACKED)
+        for k0 in range(0, I, 2 * BLOCK_K):
+            hb, wb, sb = _down_mma_loads(hidden_ptr, rows, row_mask, w_base, s_base, col0, k0 + BLOCK_K,
+                                         k0 + BLOCK_K < I, stride_h, stride_wn, stride_sn, K, GROUP, BLOCK_N, BLOCK_K,
+                                         NUM_WARPS, PACKED)
+            zero = _cta_zero(COMPILED)
+            acc = _down_mma_step(acc, ha, wa, sa, k0, zero, IS_MX, GROUP, DOT_DTYPE, BLOCK_M, BLOCK_N, BLOCK_K,
+                                 NUM_WARPS, KPACK, PACKED)
+            ha, wa, sa = _down_mma_loads(hidden_ptr, rows, row_mask, w_base, s_base, col0, k0 + 2 * BLOCK_K,
+                                         k0 + 2 * BLOCK_K < I, stride_h, stride_wn, stride_sn, K, GROUP, BLOCK_N,
+                                         BLOCK_K, NUM_WARPS, PACKED)
+            zero = _cta_zero(COMPILED)
+            acc = _down_mma_step(acc, hb, wb, sb, k0 + BLOCK_K, zero, IS_MX, GROUP, DOT_DTYPE, BLOCK_M, BLOCK_N,
+                                 BLOCK_K, NUM_WARPS, KPACK, PACKED)
+    else:
+        for k0 in range(0, I, BLOCK_K):
+            ha, wa, sa = _down_mma_loads(hidden_ptr, rows, row_mask, w_base, s_base, col0, k0, True, stride_h,
+                                         stride_wn, stride_sn, K, GROUP, BLOCK_N, BLOCK_K, NUM_WARPS, PACKED)
+            acc = _down_mma_step(acc, ha, wa, sa, k0, 0, IS_MX, GROUP, DOT_DTYPE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS,
+                                 KPACK, PACKED)
     pair = tl.load(order_ptr + rows, mask=row_mask, other=0)
     routing = tl.load(weights_ptr + pair, mask=row_mask, other=0.0) * 2.0**64
     if not IS_MX:
@@ -1092,26 +1182,34 @@ def fp4_moe_pairs_triton(
     elif config.path == "mma":
         gate_up, down = _gate_up_mma_kernel, _down_mma_kernel
         kpack = _mma_kpack(x, config)
-        common.update(DOT_DTYPE=dot_dtype, NUM_WARPS=config.num_warps, KPACK=kpack, PREFETCH=config.prefetch)
+        common.update(DOT_DTYPE=dot_dtype, NUM_WARPS=config.num_warps, KPACK=kpack, PREFETCH=config.prefetch,
+                      COMPILED=not interpreted)
         w13, w2 = _as_words(w13), _as_words(w2)
         s13, s2 = _scale_words(s13), _scale_words(s2)
+        # bf16 activations travel as int32 words of two values (see `_mma_load_act`).
+        x_in, x_packed = (x.view(torch.int32), True) if x.dtype == torch.bfloat16 else (x, False)
+        h_in, h_packed = ((hidden_rows.view(torch.int32), True) if hidden_rows.dtype == torch.bfloat16
+                          else (hidden_rows, False))
+        gate_up_extra, down_extra = dict(PACKED=x_packed), dict(PACKED=h_packed)
     else:
         gate_up, down = _gate_up_kernel, _down_kernel
         common.update(USE_DOT_SCALED=use_dot_scaled, DOT_DTYPE=dot_dtype)
+    if config.path != "mma":
+        x_in, h_in, gate_up_extra, down_extra = x, hidden_rows, {}, {}
     num_blocks = block_expert.numel()
     # K, I, k are constexpr: fixed per model, and loop bounds the interpreter (numpy >= 2.4) accepts.
     gate_up[(num_blocks, triton.cdiv(inter, block_n))](
-        x, order, block_expert, block_start, block_end, w13, s13, g13, hidden_rows,
+        x_in, order, block_expert, block_start, block_end, w13, s13, g13, hidden_rows,
         experts,
-        x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), hidden_rows.stride(0),
+        x_in.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), hidden_rows.stride(0),
         float(swiglu_limit) if swiglu_limit is not None else 0.0,
-        K=hidden, I=inter, TOP_K=top_k, HAS_LIMIT=swiglu_limit is not None, **common,
+        K=hidden, I=inter, TOP_K=top_k, HAS_LIMIT=swiglu_limit is not None, **common, **gate_up_extra,
     )
     down[(num_blocks, triton.cdiv(hidden, block_n))](
-        hidden_rows, order, block_expert, block_start, block_end, weights, w2, s2, g2, pair_out,
+        h_in, order, block_expert, block_start, block_end, weights, w2, s2, g2, pair_out,
         experts,
-        hidden_rows.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), pair_out.stride(0),
-        K=hidden, I=inter, **common,
+        h_in.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), pair_out.stride(0),
+        K=hidden, I=inter, **common, **down_extra,
     )
     return pair_out
 

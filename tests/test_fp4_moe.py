@@ -43,6 +43,7 @@ FORCED_CONFIGS = [
     moe.TileConfig("gemv", 2, 16, 64, num_warps=2, prefetch=True),
     moe.TileConfig("mma", 16, 64, 64, num_stages=2),  # wgmma operand order (KPACK 1)
     moe.TileConfig("mma", 4, 16, 32, num_warps=1),  # mma.sync operand order (KPACK 2), one word per lane
+    moe.TileConfig("mma", 8, 16, 32, num_warps=1, prefetch=True),  # two K steps a turn: 1, 2 or 4 steps
 ]
 
 
