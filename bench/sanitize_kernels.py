@@ -86,24 +86,28 @@ def sparse_mla_cases() -> None:
 # Forced configs besides the op's default launch: the GEMV loop that loads one K step ahead (its last
 # step's masked loads point past the last expert's rows: every pair on expert 255 at M=64, where
 # memcheck sees a missing mask), and the mma path with its cp.async-pipelined weight and scale-word
-# loads, in wgmma (BLOCK_M 16) and mma.sync (BLOCK_M 8) operand order, the unpipelined verify default
-# at every M, and the mma loop that loads one K step ahead into registers (masked loads past the last K
-# step, as the GEMV one; the decode default).
+# loads, in wgmma (BLOCK_M 16) and mma.sync (BLOCK_M 8) operand order, the one-step register loop at
+# every M, and the two-steps-a-turn loop with 256-column steps (masked loads past the last K step, as
+# the GEMV one; the defaults run it with 128-column steps).
 FORCED_CONFIGS = {
     "prefetch": fp4_moe.TileConfig("gemv", 1, 16, 512, num_warps=4, prefetch=True),
     "mma16": fp4_moe.TileConfig("mma", 16, 128, 128, num_warps=4, num_stages=3),
     "mma_staged": fp4_moe.TileConfig("mma", 8, 16, 512, num_warps=1, num_stages=2),
-    "mma_wide": fp4_moe.DEFAULT_CONFIGS["mma_wide"],
+    "mma_plain": fp4_moe.TileConfig("mma", 8, 32, 256, num_warps=1, num_stages=1),
     "mma_prefetch": fp4_moe.TileConfig("mma", 8, 16, 256, num_warps=1, num_stages=1, prefetch=True),
 }
+# On the tiled experts optimize() gives the model (dsv4_compile.fp4_tiles): the default launch and one
+# config of each path (the dot path's prefill tile among them), whose loads all address tiles.
+TILED_FORCED = ("prefetch", "mma_prefetch", "dot64")
 
 
 def fp4_moe_cases(gen: torch.Generator) -> None:
     """V4-Flash experts (E=256, K=4096, I=2048), top-6, both formats; M in {1, 64, 256};
     -1 ids and, at M=64, every pair on one expert. Each case runs the op (its default launch)
-    and each of FORCED_CONFIGS."""
+    and each of FORCED_CONFIGS, on row-major experts, and TILED_FORCED on tiled ones."""
     for fmt in ("mxfp4", "nvfp4"):
         weights = bench_fp4_moe.random_experts(fmt, 256, 4096, 2048, DEVICE, gen)
+        tiled = bench_fp4_moe.tiled_experts(weights)
         for tokens in (1, 64, 256):
             x = torch.randn(tokens, 4096, device=DEVICE, generator=gen).to(torch.bfloat16)
             ids = torch.stack([torch.randperm(256, generator=gen, device=DEVICE)[:6] for _ in range(tokens)]).int()
@@ -119,6 +123,12 @@ def fp4_moe_cases(gen: torch.Generator) -> None:
             for name, config in FORCED_CONFIGS.items():
                 pairs = fp4_moe.fp4_moe_pairs_triton(*args, config=config)
                 outs[name] = fp4_moe.combine_pairs(pairs, ids, 256, x.dtype)
+            tiled_args = bench_fp4_moe.op_args(x, ids, topk_weights, tiled)
+            outs["tiled default"] = fp4_moe.fp4_moe(*tiled_args)
+            for name in TILED_FORCED:
+                config = FORCED_CONFIGS.get(name) or fp4_moe.DEFAULT_CONFIGS[name]
+                pairs = fp4_moe.fp4_moe_pairs_triton(*tiled_args, config=config)
+                outs[f"tiled {name}"] = fp4_moe.combine_pairs(pairs, ids, 256, x.dtype)
             for name, out in outs.items():
                 torch.cuda.synchronize()
                 # bf16 output of an f32-accumulated K=4096/I=2048 product: 2**-7 of the output scale.
@@ -126,7 +136,7 @@ def fp4_moe_cases(gen: torch.Generator) -> None:
                 assert err <= 2 ** -7 * max(scale, 1.0), f"fp4_moe {fmt} M={tokens} {name} err {err} (scale {scale})"
                 print(f"fp4_moe {fmt} M={tokens} {name}: ok (max abs err {err:.2e}, output scale {scale:.2f})",
                       flush=True)
-        del weights
+        del weights, tiled
 
 
 def large_pool_cases(gen: torch.Generator) -> None:

@@ -114,6 +114,35 @@ def build_slice(device: torch.device) -> nn.Module:
     return model.eval()
 
 
+class ExpertLayouts:
+    """Both layouts of every Fp4Experts of a model, for side-by-side runs: the baselines run the
+    row-major experts a user's model holds, optimize() the tiled ones it converts them to.
+
+    Made before optimize() (it keeps the row-major tensors alive); `capture_tiled()` after it;
+    `use(tiled)` sets the buffers of every module to one layout (a no-op when it is set already).
+    """
+
+    NAMES = ("w13", "w2")
+
+    def __init__(self, model: nn.Module) -> None:
+        self.modules = [layer.mlp.experts for layer in model.model.layers if isinstance(layer.mlp.experts, Fp4Experts)]
+        self.row_major = [{n: getattr(m, n) for n in self.NAMES} for m in self.modules]
+        self.tiled = self.row_major
+        self.current = False
+
+    def capture_tiled(self) -> None:
+        self.tiled = [{n: getattr(m, n) for n in self.NAMES} for m in self.modules]
+        self.current = True
+
+    def use(self, tiled: bool) -> None:
+        if tiled == self.current:
+            return
+        for module, tensors in zip(self.modules, self.tiled if tiled else self.row_major):
+            for name, tensor in tensors.items():
+                setattr(module, name, tensor)
+        self.current = tiled
+
+
 def smoke_model() -> nn.Module:
     """The tiny CPU model of the compile tests (every layer type, both MoE kinds), f32, with
     its routed experts quantised to MXFP4."""

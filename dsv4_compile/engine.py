@@ -9,7 +9,7 @@ from .backend import Dsv4Backend
 from .compiled_step import compile_step
 from .drafting import Drafter, make_drafter
 from .model.attention import CSA
-from .model.fp4_experts import is_fp4
+from .model.fp4_experts import is_fp4, tile_fp4_experts_
 from .model.layout import INDEX_PAGE_SLOTS, StepLayout
 from .model.step import DeepseekV4Step
 from .passes.manager import PASS_MODULES, PassConfig
@@ -40,8 +40,10 @@ class Engine:
 
     def __init__(self, model: nn.Module, *, max_batch: int, max_context: int, verify_tokens: int,
                  strict: bool, compile: bool = True, passes: tuple[str, ...] | None = None,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> None:
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, tile_experts: bool = True) -> None:
         config = model.config
+        if tile_experts:
+            tile_fp4_experts_(model)
         self.model = model
         self.verify_tokens = verify_tokens
         self.strict = strict
@@ -199,13 +201,16 @@ class Engine:
 
 
 def optimize(model: nn.Module, *, max_batch: int = 8, max_context: int = 4096, verify_tokens: int = 0,
-             strict: bool = False, compile: bool = True, passes: tuple[str, ...] | None = None) -> Engine:
+             strict: bool = False, compile: bool = True, passes: tuple[str, ...] | None = None,
+             tile_experts: bool = True) -> Engine:
     """Builds a compiled static-cache engine for a transformers DeepseekV4ForCausalLM.
 
     max_context must be a multiple of 4 * 64 (the indexer's key pages) and of the HCA rate.
     verify_tokens is the most draft tokens one verify step checks (0: no speculative decoding).
     compile=False runs the same step eagerly (the reference the compiled step is tested against).
     passes: the dsv4 pass modules to apply (default: all, `PASS_MODULES`); () compiles plain inductor.
+    tile_experts: move the model's Fp4Experts weights to the tiled layout in place (where their
+    sizes split into tiles; `tile_fp4_experts_`), which the FP4 MoE kernels read faster.
     """
     from transformers import DeepseekV4ForCausalLM
 
@@ -213,7 +218,7 @@ def optimize(model: nn.Module, *, max_batch: int = 8, max_context: int = 4096, v
         raise TypeError(f"model must be a transformers DeepseekV4ForCausalLM; got {type(model).__name__}")
     check_int("max_batch", max_batch, 1, None)
     check_int("verify_tokens", verify_tokens, 0, None)
-    for name, flag in (("strict", strict), ("compile", compile)):
+    for name, flag in (("strict", strict), ("compile", compile), ("tile_experts", tile_experts)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool; got {type(flag).__name__}")
     config = model.config
@@ -229,4 +234,4 @@ def optimize(model: nn.Module, *, max_batch: int = 8, max_context: int = 4096, v
     if passes is not None and not set(passes) <= known:
         raise ValueError(f"passes must be a subset of {sorted(known)}; got {sorted(set(passes) - known)}")
     return Engine(model, max_batch=max_batch, max_context=max_context, verify_tokens=verify_tokens,
-                  strict=strict, compile=compile, passes=passes)
+                  strict=strict, compile=compile, passes=passes, tile_experts=tile_experts)

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from dsv4_compile.fp4 import dequantize_mxfp4, dequantize_nvfp4
+from dsv4_compile.fp4_tiles import TILE_COLS, TILE_ROWS, is_tiled, logical_shape, untile_matrix
 
 from ._runtime import triton_runs_on
 
@@ -72,16 +73,18 @@ def check_fp4_moe_inputs(
             f"fp4_moe: topk_weights must be [{tokens}, {top_k}] float32, got {tuple(topk_weights.shape)} {topk_weights.dtype}"
         )
     for name, w in (("w13", w13), ("w2", w2)):
-        if w.ndim != 3 or w.dtype != torch.uint8:
-            raise TypeError(f"fp4_moe: {name} must be [E, rows, cols/2] uint8, got {tuple(w.shape)} {w.dtype}")
-    experts, two_inter, half_hidden = w13.shape
+        if w.ndim not in (3, 5) or w.dtype != torch.uint8:
+            raise TypeError(f"fp4_moe: {name} must be [E, rows, cols/2] uint8 (or its tiled form, 5-D), "
+                            f"got {tuple(w.shape)} {w.dtype}")
+    _check_tiling(w13, w2)
+    experts, two_inter, half_hidden = logical_shape(w13)
     inter = two_inter // 2
     group = GROUP[fmt]
     if 2 * half_hidden != hidden or hidden % group:
         raise ValueError(f"fp4_moe: w13 packs K={2 * half_hidden} per row, x has K={hidden} (K must be a multiple of {group})")
     if two_inter % 2 or inter % group:
         raise ValueError(f"fp4_moe: w13 rows 2I={two_inter}: I must be a multiple of {group}")
-    if tuple(w2.shape) != (experts, hidden, inter // 2):
+    if logical_shape(w2) != (experts, hidden, inter // 2):
         raise ValueError(f"fp4_moe: w2 must be [E={experts}, K={hidden}, I/2={inter // 2}], got {tuple(w2.shape)}")
     scale_dtype = torch.uint8 if fmt == "mxfp4" else torch.float8_e4m3fn
     for name, scale, shape in (
@@ -99,6 +102,22 @@ def check_fp4_moe_inputs(
             got = None if glob is None else (tuple(glob.shape), glob.dtype)
             raise TypeError(f"fp4_moe: {name} must be [E={experts}] float32 for nvfp4, got {got}")
     return tokens, hidden, experts, inter, top_k
+
+
+def _check_tiling(w13: torch.Tensor, w2: torch.Tensor) -> None:
+    """w13 and w2 are both row-major (3-D) or both tiled (5-D) with the tile shape of
+    dsv4_compile.fp4_tiles; tiled w13 also needs I a multiple of TILE_ROWS (the up rows start a tile)."""
+    if w13.ndim != w2.ndim:
+        raise ValueError(f"fp4_moe: w13 and w2 must both be row-major or both tiled; got {tuple(w13.shape)} "
+                         f"and {tuple(w2.shape)}")
+    if w13.ndim == 3:
+        return
+    for name, t in (("w13", w13), ("w2", w2)):
+        if tuple(t.shape[3:]) != (TILE_ROWS, TILE_COLS // 2):
+            raise ValueError(f"fp4_moe: tiled {name} must end in tiles of [{TILE_ROWS}, {TILE_COLS // 2}], "
+                             f"got {tuple(t.shape)}")
+    if w13.shape[1] % 2:
+        raise ValueError(f"fp4_moe: tiled w13 needs I a multiple of {TILE_ROWS}, got 2I={w13.shape[1] * TILE_ROWS}")
 
 
 def check_expert_ids(topk_ids: torch.Tensor, experts: int) -> None:
@@ -140,8 +159,10 @@ def fp4_moe_reference(
 ) -> torch.Tensor:
     """The spec, in f32: loops over the experts that receive tokens (host syncs; eager only).
 
-    Shapes as in the op. Returns [M, K] in x's dtype.
+    Shapes as in the op (tiled experts are untiled first). Returns [M, K] in x's dtype.
     """
+    if is_tiled(w13):
+        w13, w2 = untile_matrix(w13), untile_matrix(w2)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     ids = topk_ids.long()
     valid = (ids >= 0) & (ids < w13.shape[0])
@@ -161,6 +182,22 @@ def fp4_moe_reference(
 
 
 # ----------------------------------------------------------------------------- Triton
+_TILE_ROWS = tl.constexpr(TILE_ROWS)
+_TILE_COLS = tl.constexpr(TILE_COLS)
+
+
+@triton.jit
+def _at(row, col, row_step, TILED: tl.constexpr, VALUES_PER_UNIT: tl.constexpr):
+    """Offset, in units of VALUES_PER_UNIT FP4 values (2 a byte, 8 an int32 word), of (row, col) of
+    packed codes in a row-major matrix with row stride `row_step`, or, TILED, in the tiled form
+    (dsv4_compile.fp4_tiles), whose rows then hold `row_step` units."""
+    if TILED:
+        TC: tl.constexpr = _TILE_COLS // VALUES_PER_UNIT
+        tile = (row // _TILE_ROWS) * (row_step // TC) + col // TC
+        return tile * (_TILE_ROWS * TC) + (row % _TILE_ROWS) * TC + col % TC
+    return row * row_step + col
+
+
 @triton.jit
 def _e2m1_times_2pow_minus14(codes):
     """e2m1 codes (0..15) -> f32 value * 2**-14: the 3 magnitude bits become an fp16 exponent/mantissa
@@ -182,11 +219,12 @@ def _block_scale(s_raw, IS_MX: tl.constexpr):
 
 @triton.jit
 def _dequant_tile(w_ptr, s_ptr, rows, row_mask, k0, stride_w, stride_s,
-                  BLOCK_K: tl.constexpr, GROUP: tl.constexpr, IS_MX: tl.constexpr, DOT_DTYPE: tl.constexpr):
+                  BLOCK_K: tl.constexpr, GROUP: tl.constexpr, IS_MX: tl.constexpr, DOT_DTYPE: tl.constexpr, TILED: tl.constexpr):
     """Rows `rows` [BN] x K columns [k0, k0+BLOCK_K) of a packed FP4 matrix -> [BN, BLOCK_K] DOT_DTYPE
     (without the nvfp4 global scale)."""
     half = tl.arange(0, BLOCK_K // 2)
-    packed = tl.load(w_ptr + rows[:, None] * stride_w + (k0 // 2 + half)[None, :], mask=row_mask[:, None], other=0)
+    packed = tl.load(w_ptr + _at(rows[:, None], (k0 // 2 + half)[None, :], stride_w, TILED, 2),
+                     mask=row_mask[:, None], other=0)
     codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (rows.shape[0], BLOCK_K))
     groups = tl.arange(0, BLOCK_K // GROUP)
     s_raw = tl.load(s_ptr + rows[:, None] * stride_s + (k0 // GROUP + groups)[None, :], mask=row_mask[:, None], other=0)
@@ -196,10 +234,11 @@ def _dequant_tile(w_ptr, s_ptr, rows, row_mask, k0, stride_w, stride_s,
 
 
 @triton.jit
-def _scaled_dot(acc, a, w_ptr, s_ptr, rows, row_mask, k0, stride_w, stride_s, BLOCK_K: tl.constexpr):
+def _scaled_dot(acc, a, w_ptr, s_ptr, rows, row_mask, k0, stride_w, stride_s, BLOCK_K: tl.constexpr, TILED: tl.constexpr):
     """acc += a [BM, BLOCK_K] @ MXFP4 rows^T via tl.dot_scaled on the packed codes (sm_100+)."""
     half = tl.arange(0, BLOCK_K // 2)
-    packed_t = tl.load(w_ptr + rows[None, :] * stride_w + (k0 // 2 + half)[:, None], mask=row_mask[None, :], other=0)
+    packed_t = tl.load(w_ptr + _at(rows[None, :], (k0 // 2 + half)[:, None], stride_w, TILED, 2),
+                       mask=row_mask[None, :], other=0)
     groups = tl.arange(0, BLOCK_K // 32)
     s_raw = tl.load(s_ptr + rows[:, None] * stride_s + (k0 // 32 + groups)[None, :], mask=row_mask[:, None], other=0)
     return tl.dot_scaled(a.to(tl.bfloat16), None, "bf16", packed_t, s_raw, "e2m1", acc)
@@ -216,6 +255,7 @@ def _gate_up_kernel(
     HAS_LIMIT: tl.constexpr, IS_MX: tl.constexpr, USE_DOT_SCALED: tl.constexpr,
     GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    TILED: tl.constexpr,
 ):
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
@@ -237,15 +277,15 @@ def _gate_up_kernel(
     for k0 in range(0, K, BLOCK_K):
         a = tl.load(x_ptr + token[:, None] * stride_x + (k0 + kk)[None, :], mask=row_mask[:, None], other=0.0)
         if USE_DOT_SCALED:
-            acc_gate = _scaled_dot(acc_gate, a, w_base, s_base, cols, col_mask, k0, stride_wn, stride_sn, BLOCK_K)
-            acc_up = _scaled_dot(acc_up, a, w_base, s_base, cols + I, col_mask, k0, stride_wn, stride_sn, BLOCK_K)
+            acc_gate = _scaled_dot(acc_gate, a, w_base, s_base, cols, col_mask, k0, stride_wn, stride_sn, BLOCK_K, TILED)
+            acc_up = _scaled_dot(acc_up, a, w_base, s_base, cols + I, col_mask, k0, stride_wn, stride_sn, BLOCK_K, TILED)
         else:
             a = a.to(DOT_DTYPE)
             gate_w = _dequant_tile(w_base, s_base, cols, col_mask, k0, stride_wn, stride_sn,
-                                   BLOCK_K, GROUP, IS_MX, DOT_DTYPE)
+                                   BLOCK_K, GROUP, IS_MX, DOT_DTYPE, TILED)
             acc_gate = tl.dot(a, tl.trans(gate_w), acc_gate, input_precision="ieee")
             up_w = _dequant_tile(w_base, s_base, cols + I, col_mask, k0, stride_wn, stride_sn,
-                                 BLOCK_K, GROUP, IS_MX, DOT_DTYPE)
+                                 BLOCK_K, GROUP, IS_MX, DOT_DTYPE, TILED)
             acc_up = tl.dot(a, tl.trans(up_w), acc_up, input_precision="ieee")
     if not IS_MX:
         glob = tl.load(g13_ptr + expert)
@@ -269,6 +309,7 @@ def _down_kernel(
     IS_MX: tl.constexpr, USE_DOT_SCALED: tl.constexpr,
     GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    TILED: tl.constexpr,
 ):
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
@@ -288,10 +329,10 @@ def _down_kernel(
     for k0 in range(0, I, BLOCK_K):
         a = tl.load(hidden_ptr + rows[:, None] * stride_h + (k0 + kk)[None, :], mask=row_mask[:, None], other=0.0)
         if USE_DOT_SCALED:
-            acc = _scaled_dot(acc, a, w_base, s_base, cols, col_mask, k0, stride_wn, stride_sn, BLOCK_K)
+            acc = _scaled_dot(acc, a, w_base, s_base, cols, col_mask, k0, stride_wn, stride_sn, BLOCK_K, TILED)
         else:
             w = _dequant_tile(w_base, s_base, cols, col_mask, k0, stride_wn, stride_sn,
-                              BLOCK_K, GROUP, IS_MX, DOT_DTYPE)
+                              BLOCK_K, GROUP, IS_MX, DOT_DTYPE, TILED)
             acc = tl.dot(a.to(DOT_DTYPE), tl.trans(w), acc, input_precision="ieee")
     routing = tl.load(weights_ptr + pair, mask=row_mask, other=0.0)
     if not IS_MX:
@@ -352,7 +393,7 @@ def _e2m1_pair_times_2pow_minus14(words, Q: tl.constexpr):
 
 
 @triton.jit
-def _load_words(w_ptr, rows, row_mask, k0, stride_w, BLOCK_K: tl.constexpr):
+def _load_words(w_ptr, rows, row_mask, k0, stride_w, BLOCK_K: tl.constexpr, TILED: tl.constexpr):
     """FP4 rows `rows` [BN] (int32 words, row stride `stride_w` words), columns [k0, k0 + BLOCK_K) ->
     int32 words [1, BN, BLOCK_K // 8], zeros where not row_mask.
 
@@ -360,7 +401,7 @@ def _load_words(w_ptr, rows, row_mask, k0, stride_w, BLOCK_K: tl.constexpr):
     is the layout of every product below: the weights never move between threads.
     """
     jw = tl.arange(0, BLOCK_K // 8)
-    return tl.load(w_ptr + rows[None, :, None] * stride_w + (k0 // 8 + jw)[None, None, :],
+    return tl.load(w_ptr + _at(rows[None, :, None], (k0 // 8 + jw)[None, None, :], stride_w, TILED, 8),
                    mask=row_mask[None, :, None], other=0)
 
 
@@ -410,6 +451,7 @@ def _gate_up_gemv_kernel(
     K: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
     HAS_LIMIT: tl.constexpr, IS_MX: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
+    TILED: tl.constexpr,
 ):
     """x word-major f32 [M, 8, K/8], w13 as int32 words -> hidden word-major f32 [M*k, 8, I/8]
     (rows in sorted-pair order)."""
@@ -429,19 +471,19 @@ def _gate_up_gemv_kernel(
     row_id = tl.arange(0, BLOCK_M)[:, None, None]
     acc = tl.zeros((BLOCK_M, 2 * BLOCK_N, BLOCK_K // GROUP), dtype=tl.float32)
     if PREFETCH:
-        words = _load_words(w_base, w_rows, col_mask, 0, stride_wn, BLOCK_K)
+        words = _load_words(w_base, w_rows, col_mask, 0, stride_wn, BLOCK_K, TILED)
         s_raw = _load_scales(s_base, w_rows, col_mask, 0, stride_sn, BLOCK_K, GROUP)
     for k0 in range(0, K, BLOCK_K):
         if PREFETCH:  # see the GEMV path comment
             next_mask = col_mask & (k0 + BLOCK_K < K)
             cur_words, cur_s = words, s_raw
-            words = _load_words(w_base, w_rows, next_mask, k0 + BLOCK_K, stride_wn, BLOCK_K)
+            words = _load_words(w_base, w_rows, next_mask, k0 + BLOCK_K, stride_wn, BLOCK_K, TILED)
             s_raw = _load_scales(s_base, w_rows, next_mask, k0 + BLOCK_K, stride_sn, BLOCK_K, GROUP)
             tl.debug_barrier()
             c0, c4, c1, c5, c2, c6, c3, c7 = _decode_words(cur_words)
             scale = _block_scale(cur_s, IS_MX) * 16384.0
         else:
-            words = _load_words(w_base, w_rows, col_mask, k0, stride_wn, BLOCK_K)
+            words = _load_words(w_base, w_rows, col_mask, k0, stride_wn, BLOCK_K, TILED)
             c0, c4, c1, c5, c2, c6, c3, c7 = _decode_words(words)
             s_raw = _load_scales(s_base, w_rows, col_mask, k0, stride_sn, BLOCK_K, GROUP)
             scale = _block_scale(s_raw, IS_MX) * 16384.0
@@ -474,6 +516,7 @@ def _down_gemv_kernel(
     stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_o,
     K: tl.constexpr, I: tl.constexpr, IS_MX: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
+    TILED: tl.constexpr,
 ):
     """hidden word-major f32 [M*k, 8, I/8], w2 as int32 words -> weighted pair outputs [M*k, K] f32."""
     block = tl.program_id(0)
@@ -489,19 +532,19 @@ def _down_gemv_kernel(
     row_id = tl.arange(0, BLOCK_M)[:, None, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // GROUP), dtype=tl.float32)
     if PREFETCH:
-        words = _load_words(w_base, cols, col_mask, 0, stride_wn, BLOCK_K)
+        words = _load_words(w_base, cols, col_mask, 0, stride_wn, BLOCK_K, TILED)
         s_raw = _load_scales(s_base, cols, col_mask, 0, stride_sn, BLOCK_K, GROUP)
     for k0 in range(0, I, BLOCK_K):
         if PREFETCH:  # see the GEMV path comment
             next_mask = col_mask & (k0 + BLOCK_K < I)
             cur_words, cur_s = words, s_raw
-            words = _load_words(w_base, cols, next_mask, k0 + BLOCK_K, stride_wn, BLOCK_K)
+            words = _load_words(w_base, cols, next_mask, k0 + BLOCK_K, stride_wn, BLOCK_K, TILED)
             s_raw = _load_scales(s_base, cols, next_mask, k0 + BLOCK_K, stride_sn, BLOCK_K, GROUP)
             tl.debug_barrier()
             c0, c4, c1, c5, c2, c6, c3, c7 = _decode_words(cur_words)
             scale = _block_scale(cur_s, IS_MX) * 16384.0
         else:
-            words = _load_words(w_base, cols, col_mask, k0, stride_wn, BLOCK_K)
+            words = _load_words(w_base, cols, col_mask, k0, stride_wn, BLOCK_K, TILED)
             c0, c4, c1, c5, c2, c6, c3, c7 = _decode_words(words)
             s_raw = _load_scales(s_base, cols, col_mask, k0, stride_sn, BLOCK_K, GROUP)
             scale = _block_scale(s_raw, IS_MX) * 16384.0
@@ -631,7 +674,7 @@ def _mma_scale(s_raw, IS_MX: tl.constexpr):
 
 @triton.jit
 def _mma_load_weights(w_ptr, s_ptr, row0, n_rows, k0, stride_w, stride_s,
-                      GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_WARPS: tl.constexpr):
+                      GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_WARPS: tl.constexpr, TILED: tl.constexpr):
     """The packed words and scale words of rows [row0, row0 + BLOCK_N) (zeros at and past n_rows) x the
     BLOCK_K tile at k0 of an FP4 matrix (int32 words, int32 scale words), as each thread holds them:
     words [4, 8, NUM_WARPS, 2, REP, U], scale words [4, 8, NUM_WARPS, 2, REP, SWQ] (`_mma_decode_weights`)."""
@@ -649,7 +692,7 @@ def _mma_load_weights(w_ptr, s_ptr, row0, n_rows, k0, stride_w, stride_s,
     row = row0 + rep * (16 * NUM_WARPS) + warp * 16 + half * 8 + lane_row
     row_ok = row < n_rows
     u = tl.arange(0, U)[None, None, None, None, None, :]
-    words = tl.load(w_ptr + row * stride_w + (k0 // 8 + q * U + u), mask=row_ok, other=0)
+    words = tl.load(w_ptr + _at(row, k0 // 8 + q * U + u, stride_w, TILED, 8), mask=row_ok, other=0)
     first = k0 // GROUP + (q * U) // WPG  # a multiple of 4 where SPQ >= 4; else its bytes share one word
     j = tl.arange(0, SWQ)[None, None, None, None, None, :]
     s_words = tl.load(s_ptr + row * stride_s + first // 4 + j, mask=row_ok, other=0)
@@ -755,15 +798,15 @@ def _mma_act_operand(raw, zero, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, KP
 @triton.jit
 def _gate_up_mma_loads(x_ptr, token, row_mask, w_base, s_base, u_base, us_base, col0, k0, live,
                        stride_x, stride_wn, stride_sn, I: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, NUM_WARPS: tl.constexpr, PACKED: tl.constexpr):
+                       BLOCK_K: tl.constexpr, NUM_WARPS: tl.constexpr, PACKED: tl.constexpr, TILED: tl.constexpr):
     """One K step's activations, gate words and scale words, up words and scale words (zeros where
     not `live`)."""
     x_raw = _mma_load_act(x_ptr, token, row_mask & live, k0, stride_x, BLOCK_K, PACKED)
     n_rows = tl.where(live, I, 0)
     g_words, g_scales = _mma_load_weights(w_base, s_base, col0, n_rows, k0, stride_wn, stride_sn,
-                                          GROUP, BLOCK_N, BLOCK_K, NUM_WARPS)
+                                          GROUP, BLOCK_N, BLOCK_K, NUM_WARPS, TILED)
     u_words, u_scales = _mma_load_weights(u_base, us_base, col0, n_rows, k0, stride_wn, stride_sn,
-                                          GROUP, BLOCK_N, BLOCK_K, NUM_WARPS)
+                                          GROUP, BLOCK_N, BLOCK_K, NUM_WARPS, TILED)
     return x_raw, g_words, g_scales, u_words, u_scales
 
 
@@ -793,6 +836,7 @@ def _gate_up_mma_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_WARPS: tl.constexpr, KPACK: tl.constexpr, PREFETCH: tl.constexpr, PACKED: tl.constexpr,
     COMPILED: tl.constexpr,
+    TILED: tl.constexpr,
 ):
     """x [M, K] (int32 pairs where PACKED), w13 / scales as int32 words -> hidden [M*k, I] (rows in
     sorted-pair order)."""
@@ -814,17 +858,17 @@ def _gate_up_mma_kernel(
     if PREFETCH:  # two K steps a turn, each loaded a step ahead (see the MMA path comment)
         xa, ga, gsa, ua, usa = _gate_up_mma_loads(x_ptr, token, row_mask, w_base, s_base, u_base, us_base, col0, 0,
                                                   True, stride_x, stride_wn, stride_sn, I, GROUP, BLOCK_N,
-                                                  BLOCK_K, NUM_WARPS, PACKED)
+                                                  BLOCK_K, NUM_WARPS, PACKED, TILED)
         for k0 in range(0, K, 2 * BLOCK_K):
             xb, gb, gsb, ub, usb = _gate_up_mma_loads(x_ptr, token, row_mask, w_base, s_base, u_base, us_base, col0,
                                                       k0 + BLOCK_K, k0 + BLOCK_K < K, stride_x, stride_wn,
-                                                      stride_sn, I, GROUP, BLOCK_N, BLOCK_K, NUM_WARPS, PACKED)
+                                                      stride_sn, I, GROUP, BLOCK_N, BLOCK_K, NUM_WARPS, PACKED, TILED)
             zero = _cta_zero(COMPILED)
             acc_gate, acc_up = _gate_up_mma_step(acc_gate, acc_up, xa, ga, gsa, ua, usa, k0, zero, IS_MX, GROUP,
                                                  DOT_DTYPE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, KPACK, PACKED)
             xa, ga, gsa, ua, usa = _gate_up_mma_loads(x_ptr, token, row_mask, w_base, s_base, u_base, us_base, col0,
                                                       k0 + 2 * BLOCK_K, k0 + 2 * BLOCK_K < K, stride_x, stride_wn,
-                                                      stride_sn, I, GROUP, BLOCK_N, BLOCK_K, NUM_WARPS, PACKED)
+                                                      stride_sn, I, GROUP, BLOCK_N, BLOCK_K, NUM_WARPS, PACKED, TILED)
             zero = _cta_zero(COMPILED)
             acc_gate, acc_up = _gate_up_mma_step(acc_gate, acc_up, xb, gb, gsb, ub, usb, k0 + BLOCK_K, zero, IS_MX,
                                                  GROUP, DOT_DTYPE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, KPACK, PACKED)
@@ -832,7 +876,7 @@ def _gate_up_mma_kernel(
         for k0 in range(0, K, BLOCK_K):
             xa, ga, gsa, ua, usa = _gate_up_mma_loads(x_ptr, token, row_mask, w_base, s_base, u_base, us_base, col0,
                                                       k0, True, stride_x, stride_wn, stride_sn, I, GROUP, BLOCK_N,
-                                                      BLOCK_K, NUM_WARPS, PACKED)
+                                                      BLOCK_K, NUM_WARPS, PACKED, TILED)
             acc_gate, acc_up = _gate_up_mma_step(acc_gate, acc_up, xa, ga, gsa, ua, usa, k0, 0, IS_MX, GROUP,
                                                  DOT_DTYPE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, KPACK, PACKED)
     fix = 2.0**64  # the 2**-64 of the decoded weights
@@ -853,11 +897,11 @@ def _gate_up_mma_kernel(
 @triton.jit
 def _down_mma_loads(h_ptr, rows, row_mask, w_base, s_base, col0, k0, live, stride_h, stride_wn, stride_sn,
                     K: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    NUM_WARPS: tl.constexpr, PACKED: tl.constexpr):
+                    NUM_WARPS: tl.constexpr, PACKED: tl.constexpr, TILED: tl.constexpr):
     """One K step's hidden rows, w2 words and scale words (zeros where not `live`)."""
     h_raw = _mma_load_act(h_ptr, rows, row_mask & live, k0, stride_h, BLOCK_K, PACKED)
     words, scales = _mma_load_weights(w_base, s_base, col0, tl.where(live, K, 0), k0, stride_wn, stride_sn,
-                                      GROUP, BLOCK_N, BLOCK_K, NUM_WARPS)
+                                      GROUP, BLOCK_N, BLOCK_K, NUM_WARPS, TILED)
     return h_raw, words, scales
 
 
@@ -881,6 +925,7 @@ def _down_mma_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_WARPS: tl.constexpr, KPACK: tl.constexpr, PREFETCH: tl.constexpr, PACKED: tl.constexpr,
     COMPILED: tl.constexpr,
+    TILED: tl.constexpr,
 ):
     """hidden [M*k, I] (int32 pairs where PACKED), w2 / scales as int32 words -> weighted pair
     outputs [M*k, K] f32."""
@@ -898,24 +943,24 @@ def _down_mma_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if PREFETCH:  # as in _gate_up_mma_kernel
         ha, wa, sa = _down_mma_loads(hidden_ptr, rows, row_mask, w_base, s_base, col0, 0, True, stride_h, stride_wn,
-                                     stride_sn, K, GROUP, BLOCK_N, BLOCK_K, NUM_WARPS, PACKED)
+                                     stride_sn, K, GROUP, BLOCK_N, BLOCK_K, NUM_WARPS, PACKED, TILED)
         for k0 in range(0, I, 2 * BLOCK_K):
             hb, wb, sb = _down_mma_loads(hidden_ptr, rows, row_mask, w_base, s_base, col0, k0 + BLOCK_K,
                                          k0 + BLOCK_K < I, stride_h, stride_wn, stride_sn, K, GROUP, BLOCK_N, BLOCK_K,
-                                         NUM_WARPS, PACKED)
+                                         NUM_WARPS, PACKED, TILED)
             zero = _cta_zero(COMPILED)
             acc = _down_mma_step(acc, ha, wa, sa, k0, zero, IS_MX, GROUP, DOT_DTYPE, BLOCK_M, BLOCK_N, BLOCK_K,
                                  NUM_WARPS, KPACK, PACKED)
             ha, wa, sa = _down_mma_loads(hidden_ptr, rows, row_mask, w_base, s_base, col0, k0 + 2 * BLOCK_K,
                                          k0 + 2 * BLOCK_K < I, stride_h, stride_wn, stride_sn, K, GROUP, BLOCK_N,
-                                         BLOCK_K, NUM_WARPS, PACKED)
+                                         BLOCK_K, NUM_WARPS, PACKED, TILED)
             zero = _cta_zero(COMPILED)
             acc = _down_mma_step(acc, hb, wb, sb, k0 + BLOCK_K, zero, IS_MX, GROUP, DOT_DTYPE, BLOCK_M, BLOCK_N,
                                  BLOCK_K, NUM_WARPS, KPACK, PACKED)
     else:
         for k0 in range(0, I, BLOCK_K):
             ha, wa, sa = _down_mma_loads(hidden_ptr, rows, row_mask, w_base, s_base, col0, k0, True, stride_h,
-                                         stride_wn, stride_sn, K, GROUP, BLOCK_N, BLOCK_K, NUM_WARPS, PACKED)
+                                         stride_wn, stride_sn, K, GROUP, BLOCK_N, BLOCK_K, NUM_WARPS, PACKED, TILED)
             acc = _down_mma_step(acc, ha, wa, sa, k0, 0, IS_MX, GROUP, DOT_DTYPE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS,
                                  KPACK, PACKED)
     pair = tl.load(order_ptr + rows, mask=row_mask, other=0)
@@ -1064,26 +1109,23 @@ class TileConfig:
 
 
 # The path by average pairs per expert (M*k / E; a static shape fact, so the choice is
-# capture-safe), from the H200 sweeps (bench/bench_fp4_moe.py --sweep, V4-Flash E=256, k=6,
-# bench/RESULTS.md "Fifth session"). At 1 pair per expert (M=1, 8) one-row GEMV blocks are the
-# fastest for both formats (MXFP4 M=1 0.085 ms vs 0.104 the best mma; M=8 0.314 vs 0.334). Above
-# that both formats take the mma path with 8-pair blocks, 32 weight rows and one warp a program,
-# without a shared-memory pipeline (num_stages 1: the weights, scale words and activations go
-# straight to registers): up to 4 pairs per expert (decode, M=64) 128 reduction columns a step with
-# the next step loaded ahead into registers (MXFP4 1.14 ms, NVFP4 1.25 ms; 1.17 / 1.26 with 256
-# columns and no prefetch, 2.43 / 2.38 for the cp.async-pipelined 16-row tiles), above that
-# (verify, M=256) 256 columns a step (MXFP4 1.70 ms, NVFP4 1.85 ms vs 2.62 / 2.74 for the pipelined
-# 2-warp tile). Beyond 16 pairs per expert (prefill) both formats take 64-row dot blocks. Where FP4
-# tensor cores exist (sm_100+) MXFP4 keeps GEMV up to GEMV_MAX_ROWS and the dot path above, which
-# uses tl.dot_scaled there. The mma path's exactness range is in the MMA path comment (ue8m0 scales
-# up to 2**65; the model's experts are checked once, see check_mxfp4_scale_range).
+# capture-safe), from the H200 sweeps (bench/bench_fp4_moe.py --sweep, V4-Flash E=256, k=6, tiled
+# experts, bench/RESULTS.md "Sixth session"). Up to 16 pairs per expert both formats take the mma path
+# with 8-pair blocks, one warp a program, no shared-memory pipeline and two K steps of 128 columns a
+# turn, each loaded ahead into registers (the MMA path comment): 16 weight rows at 1 pair per expert
+# (M=1: MXFP4 0.072 ms vs 0.087 for the one-row GEMV blocks; M=8 0.240 vs 0.318), 32 above (M=64:
+# MXFP4 0.849 ms, NVFP4 0.880; M=256: 1.25 / 1.30 vs 1.46 / 1.55 for 256-column steps without
+# prefetch). Beyond 16 pairs per expert (prefill) both formats take 64-row dot blocks. Where FP4
+# tensor cores exist (sm_100+) MXFP4 takes GEMV up to GEMV_MAX_ROWS and the dot path above, which
+# uses tl.dot_scaled there (as do K or I that are not multiples of 32). The mma path's exactness
+# range is in the MMA path comment (ue8m0 scales up to 2**65; the model's experts are checked once,
+# see check_mxfp4_scale_range).
 GEMV_MAX_ROWS = 2
-MMA_NARROW_MAX_ROWS = 4
 DENSE_MIN_ROWS = 17
 DEFAULT_CONFIGS = {
     "gemv": TileConfig("gemv", 1, 16, 512, num_warps=4, prefetch=True),
+    "mma_one": TileConfig("mma", 8, 16, 128, num_warps=1, num_stages=1, prefetch=True),
     "mma": TileConfig("mma", 8, 32, 128, num_warps=1, num_stages=1, prefetch=True),
-    "mma_wide": TileConfig("mma", 8, 32, 256, num_warps=1, num_stages=1),
     "dot16": TileConfig("dot", 16, 64, 128, num_warps=4, num_stages=2),
     "dot64": TileConfig("dot", 64, 64, 128, num_warps=4, num_stages=2),
 }
@@ -1098,9 +1140,7 @@ def size_class(pairs: int, experts: int, fmt: str, native_fp4: bool = False, mma
         return "dot64"
     if (fmt == "mxfp4" and native_fp4) or not mma_fits:
         return "gemv" if average <= GEMV_MAX_ROWS else "dot16"
-    if average == 1:
-        return "gemv"
-    return "mma" if average <= MMA_NARROW_MAX_ROWS else "mma_wide"
+    return "mma_one" if average == 1 else "mma"
 
 
 def choose_config(pairs: int, experts: int, fmt: str, native_fp4: bool = False,
@@ -1127,6 +1167,11 @@ def check_mxfp4_scale_range(**scales: torch.Tensor) -> None:
                              f"accepts scales up to 2**{MMA_MAX_UE8M0 - 127} (code {MMA_MAX_UE8M0})")
 
 
+def _row_step(t: torch.Tensor) -> int:
+    """Packed codes' row argument of the kernels: their row stride, or, tiled (5-D), their units per row."""
+    return t.stride(1) if t.ndim == 3 else t.shape[2] * t.shape[4]
+
+
 def _fit_block_k(block_k: int, hidden: int, inter: int, group: int) -> int:
     """The largest power of two <= block_k dividing both K and I (both are multiples of `group`)."""
     common = min(hidden & -hidden, inter & -inter)
@@ -1143,8 +1188,9 @@ def fp4_moe_pairs_triton(
     the dot path; `config` overrides `choose_config` (tests force a path, the bench sweeps).
     """
     tokens, hidden = x.shape
-    experts, two_inter, _ = w13.shape
+    experts, two_inter, _ = logical_shape(w13)
     inter, top_k = two_inter // 2, topk_ids.shape[1]
+    tiled = is_tiled(w13)
     pairs = tokens * top_k
     interpreted = not x.is_cuda
     dot_dtype = tl.float32 if (interpreted or x.dtype == torch.float32) else tl.bfloat16
@@ -1174,7 +1220,7 @@ def fp4_moe_pairs_triton(
     g2 = w2_global if w2_global is not None else s2
     weights = topk_weights.contiguous()
     common = dict(IS_MX=fmt == "mxfp4", GROUP=group, BLOCK_M=config.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                  num_warps=config.num_warps, num_stages=config.num_stages)
+                  TILED=tiled, num_warps=config.num_warps, num_stages=config.num_stages)
     if config.path == "gemv":
         gate_up, down = _gate_up_gemv_kernel, _down_gemv_kernel
         common.update(PREFETCH=config.prefetch)
@@ -1201,14 +1247,14 @@ def fp4_moe_pairs_triton(
     gate_up[(num_blocks, triton.cdiv(inter, block_n))](
         x_in, order, block_expert, block_start, block_end, w13, s13, g13, hidden_rows,
         experts,
-        x_in.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), hidden_rows.stride(0),
+        x_in.stride(0), w13.stride(0), _row_step(w13), s13.stride(0), s13.stride(1), hidden_rows.stride(0),
         float(swiglu_limit) if swiglu_limit is not None else 0.0,
         K=hidden, I=inter, TOP_K=top_k, HAS_LIMIT=swiglu_limit is not None, **common, **gate_up_extra,
     )
     down[(num_blocks, triton.cdiv(hidden, block_n))](
         h_in, order, block_expert, block_start, block_end, weights, w2, s2, g2, pair_out,
         experts,
-        h_in.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), pair_out.stride(0),
+        h_in.stride(0), w2.stride(0), _row_step(w2), s2.stride(0), s2.stride(1), pair_out.stride(0),
         K=hidden, I=inter, **common, **down_extra,
     )
     return pair_out

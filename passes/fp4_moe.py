@@ -4,7 +4,8 @@ to torch.ops.dsv4.fp4_moe in inductor's post-grad graph.
 Hand-written FX matching, keyed on the math rather than on one trace:
   out = sum_j(w[m, j] * bmm(W2', act(bmm(W13', x))))      (the anchor: sum over the choice dim)
 where W13' / W2' are computed only from gathers `packed[ids]` of uint8 [E, rows, cols/2] graph
-inputs (plus their scales, and globals for NVFP4) by unpack/decode/scale ops, and
+inputs or of their tiled form (dsv4_compile.fp4_tiles; put back in row order by views and a
+copy), plus their scales (and globals for NVFP4), by unpack/decode/scale ops, and
 act = silu(min(gate, L)) * clamp(up, -L, L) (or silu(gate) * up without a limit). The format
 comes from the scale dtype (uint8 ue8m0 -> mxfp4, e4m3 -> nvfp4). Anything else is declined
 and recorded with its reason; bf16 experts (no packed gathers) are left alone. A bmm of batch
@@ -18,6 +19,7 @@ import operator
 import torch
 from torch.fx import Graph, Node
 
+from dsv4_compile.fp4_tiles import logical_shape
 from dsv4_compile.passes.fx_match import Decline, is_bmm, match_bmm
 
 logger = logging.getLogger("dsv4_compile")
@@ -27,7 +29,7 @@ PASS_NAME = "fp4_moe"
 aten = torch.ops.aten
 prims = torch.ops.prims
 
-_VIEWS = {aten.reshape.default, aten.view.default, aten.squeeze.dim, aten.squeeze.default,
+_VIEWS = {aten.reshape.default, aten.view.default, aten._unsafe_view.default, aten.squeeze.dim, aten.squeeze.default,
           aten.unsqueeze.default, aten.expand.default, aten.clone.default, prims.convert_element_type.default,
           aten.permute.default, aten.transpose.int}
 # Ops allowed between the packed gathers and the dequantised weights.
@@ -80,6 +82,14 @@ def _weight_region(start: Node, stop: set[Node]) -> set[Node]:
     return seen
 
 
+def _logical_shape(val: torch.Tensor | None) -> tuple[int, int, int] | None:
+    """(E, rows, units) of a row-major [E, rows, units] expert tensor or of its tiled form
+    (dsv4_compile.fp4_tiles, 5-D); None for anything else."""
+    if val is None or val.ndim not in (3, 5):
+        return None
+    return logical_shape(val)
+
+
 def _is_input(node: Node) -> bool:
     return node.op in ("placeholder", "get_attr")
 
@@ -100,24 +110,25 @@ def _expert_weights(region: set[Node], hidden: int, first: bool):
     if bad:
         raise _Decline(f"weight path has non-dequantise ops {bad[:3]}")
     gathers = _gathers(region)
-    packed = [g for g in gathers if _val(g.args[0]).dtype == torch.uint8 and _val(g.args[0]).ndim == 3
-              and (2 * _val(g.args[0]).shape[2] == hidden if first else _val(g.args[0]).shape[1] == hidden)]
+    shape = {g: _logical_shape(_val(g.args[0])) for g in gathers}  # None: neither 3-D nor tiled
+    packed = [g for g in gathers if _val(g.args[0]).dtype == torch.uint8 and shape[g] is not None
+              and (2 * shape[g][2] == hidden if first else shape[g][1] == hidden)]
     if not packed:
         raise _Decline("no packed uint8 expert gather")
     # uint8 ue8m0 scales pass the filter too: the packed codes are the widest (cols/2 vs cols/32).
-    packed = sorted(packed, key=lambda g: _val(g.args[0]).shape[2], reverse=True)
-    if len(packed) > 2 or (len(packed) == 2 and _val(packed[1].args[0]).shape[2] * 16 != _val(packed[0].args[0]).shape[2]):
+    packed = sorted(packed, key=lambda g: shape[g][2], reverse=True)
+    if len(packed) > 2 or (len(packed) == 2 and shape[packed[1]][2] * 16 != shape[packed[0]][2]):
         raise _Decline("several packed uint8 expert gathers")
     ids = packed[0].args[1][0]
-    rows, cols = _val(packed[0].args[0]).shape[1], 2 * _val(packed[0].args[0]).shape[2]
+    rows, cols = shape[packed[0]][1], 2 * shape[packed[0]][2]
     scales = [g for g in gathers if g is not packed[0] and g.args[1][0] is ids and _val(g.args[0]).ndim == 3
-              and _val(g.args[0]).shape[1] == rows]
+              and shape[g][1] == rows]
     globs = [g for g in gathers if g.args[1][0] is ids and _val(g.args[0]).ndim == 1
              and _val(g.args[0]).dtype == torch.float32]
     if len(scales) != 1:
         raise _Decline("no block scale gathered with the packed weights")
     scale = scales[0].args[0]
-    dtype, groups = _val(scale).dtype, _val(scale).shape[2]
+    dtype, groups = _val(scale).dtype, shape[scales[0]][2]
     if dtype == torch.uint8 and groups * 32 == cols and not globs:
         return "mxfp4", packed[0].args[0], scale, None, ids
     if dtype == torch.float8_e4m3fn and groups * 16 == cols and len(globs) == 1:

@@ -47,3 +47,30 @@ def test_mxfp4_scale_beyond_kernel_range_rejected_at_optimize(name):
     model.model.layers[1].mlp.experts.w2_scale.view(-1)[3] = 255
     with pytest.raises(ValueError, match="w2_scale holds a ue8m0 scale 2\\*\\*128"):
         dsv4_compile.optimize(model, max_batch=2, max_context=256, compile=False)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_optimize_tiles_experts_in_place(fmt):
+    """optimize() moves Fp4Experts whose sizes split into tiles to the tiled layout, in place; the
+    weights they hold are unchanged, the step generates what transformers' own forward generates
+    (which runs the module's plain-torch path on the tiled buffers), and tile_experts=False or
+    sizes that do not split (the tiny model's 64 x 32) keep the row-major layout."""
+    model = tiny_model(seed=6, hidden_size=128, moe_intermediate_size=128)
+    quantize_experts_(model, fmt)
+    before = [layer.mlp.experts.dequantized(torch.float32) for layer in model.model.layers]
+    engine = dsv4_compile.optimize(model, max_batch=2, max_context=256, compile=False)
+    for layer, (gate_up, down) in zip(model.model.layers, before):
+        experts = layer.mlp.experts
+        assert experts.tiled and experts.w13.ndim == 5 and experts.w2.ndim == 5 and experts.w2_scale.ndim == 3
+        got_gate_up, got_down = experts.dequantized(torch.float32)
+        assert torch.equal(got_gate_up, gate_up) and torch.equal(got_down, down)
+    prompts = make_prompts((30, 17), model.config.vocab_size, seed=6)
+    for prompt, tokens in zip(prompts, engine.generate(prompts, NEW_TOKENS)):
+        assert tokens == transformers_greedy(model, prompt, NEW_TOKENS)
+    kept = tiny_model(seed=6, hidden_size=128, moe_intermediate_size=128)
+    quantize_experts_(kept, fmt)
+    dsv4_compile.optimize(kept, max_batch=2, max_context=256, compile=False, tile_experts=False)
+    small = tiny_model(seed=6)
+    quantize_experts_(small, fmt)
+    dsv4_compile.optimize(small, max_batch=2, max_context=256, compile=False)
+    assert not any(layer.mlp.experts.tiled for model_ in (kept, small) for layer in model_.model.layers)

@@ -239,11 +239,11 @@ def test_each_path_matches_reference(path_config, fmt):
     assert_close_scaled(moe.combine_pairs(pairs, ids, experts, x.dtype), want, torch.float32)
 
 
-@pytest.mark.parametrize("name", ["mma", "mma_wide"])
+@pytest.mark.parametrize("name", ["mma_one", "mma"])
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 def test_mma_several_scale_groups_per_lane(fmt, name):
-    """The default mma tiles with their BLOCK_K = 256 or 512 (the other tests' K and I fit BLOCK_K to at
-    most 128): each quad lane's words span several scale groups, held in one or two scale words."""
+    """The default mma tiles at K = I = their BLOCK_K (128): each quad lane's 4 words span a whole
+    MXFP4 scale group or two NVFP4 ones, bytes of one scale word."""
     experts, tokens, top_k = 3, 5, 2
     hidden = inter = moe.DEFAULT_CONFIGS[name].block_k
     w = make_experts(fmt, experts, hidden, inter, seed=21)
@@ -275,17 +275,16 @@ def test_all_tokens_on_one_expert(config):
 
 @pytest.mark.parametrize(
     "tokens, mxfp4, nvfp4, mxfp4_native",
-    [(1, "gemv", "gemv", "gemv"), (8, "gemv", "gemv", "gemv"), (42, "gemv", "gemv", "gemv"),
+    [(1, "mma_one", "mma_one", "gemv"), (8, "mma_one", "mma_one", "gemv"), (42, "mma_one", "mma_one", "gemv"),
      (43, "mma", "mma", "gemv"), (64, "mma", "mma", "gemv"), (85, "mma", "mma", "gemv"),
-     (86, "mma", "mma", "dot16"), (170, "mma", "mma", "dot16"), (171, "mma_wide", "mma_wide", "dot16"),
-     (256, "mma_wide", "mma_wide", "dot16"), (682, "mma_wide", "mma_wide", "dot16"), (683, "dot64", "dot64", "dot64"),
-     (4096, "dot64", "dot64", "dot64")],
+     (86, "mma", "mma", "dot16"), (256, "mma", "mma", "dot16"), (682, "mma", "mma", "dot16"),
+     (683, "dot64", "dot64", "dot64"), (4096, "dot64", "dot64", "dot64")],
 )
 def test_size_class_rule(tokens, mxfp4, nvfp4, mxfp4_native):
-    """V4-Flash (E=256, k=6): one pair per expert takes one-row GEMV blocks; decode (M=64) and
-    verify (M=256) take the mma path (128 reduction columns a step up to 4 pairs per expert, then
-    256), except MXFP4 on GPUs with FP4 tensor cores (GEMV up to 2 pairs, then tl.dot_scaled);
-    prefill takes 64-row dot blocks. NVFP4 never uses tl.dot_scaled, so `native` leaves it alone."""
+    """V4-Flash (E=256, k=6): decode and verify take the mma path (16 weight rows a program at one
+    pair per expert, M <= 42; 32 up to 16 pairs per expert), except MXFP4 on GPUs with FP4 tensor
+    cores (GEMV up to 2 pairs, then tl.dot_scaled); prefill takes 64-row dot blocks. NVFP4 never
+    uses tl.dot_scaled, so `native` leaves it alone."""
     pairs, experts = tokens * 6, 256
     cases = (("mxfp4", False, mxfp4), ("nvfp4", False, nvfp4), ("mxfp4", True, mxfp4_native),
              ("nvfp4", True, nvfp4))
@@ -293,7 +292,7 @@ def test_size_class_rule(tokens, mxfp4, nvfp4, mxfp4_native):
         assert moe.size_class(pairs, experts, fmt, native) == expected, (fmt, native)
         config = moe.choose_config(pairs, experts, fmt, native)
         assert config == moe.DEFAULT_CONFIGS[expected]
-        assert config.path == ("gemv" if expected == "gemv" else expected[:3])
+        assert config.path == expected[:3] if expected != "gemv" else config.path == "gemv"
 
 
 @pytest.mark.parametrize(
@@ -340,8 +339,8 @@ def test_nvfp4_default_config_with_k_and_i_odd_multiples_of_16():
     """NVFP4 allows K and I multiples of 16; where they are not multiples of 32 the default launch
     avoids the mma path (which needs 32) at every size class, through the op."""
     w = make_experts("nvfp4", 2, 48, 48, seed=31)
-    # 3 and 9 pairs per expert: the two NVFP4 mma size classes at K, I multiples of 32
-    for tokens, mma_class in ((3, "mma"), (9, "mma_wide")):
+    # 1 and 9 pairs per expert: the two NVFP4 mma size classes at K, I multiples of 32
+    for tokens, mma_class in ((1, "mma_one"), (9, "mma")):
         ids, weights = make_routing(tokens, 2, 2, "random", seed=31 + tokens)
         x = torch.randn(tokens, 48, generator=torch.Generator().manual_seed(tokens))
         assert moe.size_class(tokens * 2, 2, "nvfp4") == mma_class

@@ -5,9 +5,10 @@ import torch
 import torch.nn.functional as F
 
 from dsv4_compile import fp4
+from dsv4_compile.fp4_tiles import tile_fp4
 from dsv4_compile.model.hotspots import moe_experts_fp4, moe_experts_gathered
 from dsv4_compile.passes import fp4_moe as fp4_pass
-from helpers import BmmToMmOnCpu, compile_with_probe
+from helpers import BmmToMmOnCpu, compile_with_probe, make_experts
 
 EXPERTS, HIDDEN, INTER, TOP_K = 4, 64, 32, 2
 
@@ -65,6 +66,27 @@ def test_rewrites_and_matches_eager(fmt, batch, tokens, limit, dtype):
     assert torch.ops.aten.bmm.default not in hook.targets  # the dense expert GEMVs are gone
     scale = want.float().abs().max()
     assert (got.float() - want.float()).abs().max() <= TOL[dtype] * scale
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("tokens", [1, 3], ids=["decode", "verify"])
+def test_tiled_experts_rewritten(fmt, tokens):
+    """Experts in the tiled layout (dsv4_compile.fp4_tiles; the plain-torch form puts the gathered
+    tiles back in row order with a permute and a copy) are rewritten as well, to the op on the tiled
+    tensors."""
+    w = make_experts(fmt, 2, 128, 128, seed=5)
+    weights_args = (tile_fp4(w["w13"]), w["w13_scale"], tile_fp4(w["w2"]), w["w2_scale"], fmt, w["w13_global"],
+                    w["w2_global"])
+    gen = torch.Generator().manual_seed(tokens)
+    ids = torch.randint(0, 2, (2 * tokens, TOP_K), generator=gen, dtype=torch.int32)
+    weights = torch.rand(2 * tokens, TOP_K, generator=gen) + 0.1
+    x = torch.randn(2, tokens, 128, generator=gen)
+    compiled, hook, report = compile_with_pass(moe_step)
+    got = compiled(x, ids, weights, *weights_args, None)
+    want = moe_step(x, ids, weights, *weights_args, None)
+    assert hook.rewrites == 1 and report.count(fp4_pass.PASS_NAME) == 1
+    assert torch.ops.dsv4.fp4_moe.default in hook.targets
+    assert (got - want).abs().max() <= TOL[torch.float32] * want.abs().max()
 
 
 def test_top1_token_bmms_made_mm_by_inductor_are_rewritten(monkeypatch):

@@ -2,8 +2,9 @@
 import torch
 from torch import nn
 
-from dsv4_compile.fp4 import (dequantize_mxfp4, dequantize_nvfp4, experts_from_transformers,
-                              quantize_mxfp4, quantize_nvfp4)
+from dsv4_compile.fp4 import (dequantize_mxfp4, dequantize_nvfp4, experts_from_transformers, quantize_mxfp4,
+                              quantize_nvfp4)
+from dsv4_compile.fp4_tiles import TILE_COLS, TILE_ROWS, is_tiled, tile_fp4, untile_matrix
 
 from .hotspots import moe_experts_fp4, moe_experts_gathered
 
@@ -15,6 +16,8 @@ class Fp4Experts(nn.Module):
 
     Buffers: w13 [E, 2I, K/2] and w2 [E, K, I/2] uint8 (e2m1 pairs), their scales (MXFP4:
     uint8 ue8m0 per 32; NVFP4: e4m3 per 16) and, for NVFP4, per-expert f32 global scales.
+    `tile_()` moves the packed weights to the tiled layout (dsv4_compile.fp4_tiles), which the
+    fp4_moe kernels stream faster; every path of the module reads either layout.
     forward(hidden [M, K], top_k_index [M, k], top_k_weights [M, k]) -> [M, K] dequantises the
     gathered experts in plain torch, so transformers' own forward can run it too.
     """
@@ -41,13 +44,37 @@ class Fp4Experts(nn.Module):
                     weight.detach().float())
         return cls(fmt, tensors, experts.limit)
 
+    @property
+    def tiled(self) -> bool:
+        """Whether the packed weights are in the tiled layout (dsv4_compile.fp4_tiles)."""
+        return is_tiled(self.w13)
+
+    def can_tile(self) -> bool:
+        """Whether the packed weights split into whole tiles: I a multiple of TILE_ROWS (so 2I is,
+        and the up rows start a tile), K and I multiples of TILE_COLS."""
+        _, two_inter, half_hidden = self.w13.shape
+        inter, hidden = two_inter // 2, 2 * half_hidden
+        return inter % TILE_ROWS == 0 and inter % TILE_COLS == 0 and hidden % TILE_COLS == 0
+
+    @torch.no_grad()
+    def tile_(self) -> "Fp4Experts":
+        """Converts w13 and w2 to the tiled layout in place (new buffers; the row-major ones are
+        released unless referenced elsewhere; the scales stay row-major). Returns self."""
+        if self.tiled:
+            return self
+        if not self.can_tile():
+            raise ValueError(f"Fp4Experts.tile_: w13 {tuple(self.w13.shape)} does not split into "
+                             f"{TILE_ROWS} x {TILE_COLS} tiles")
+        self.w13, self.w2 = tile_fp4(self.w13), tile_fp4(self.w2)
+        return self
+
     def dequantized(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [E, 2I, K], down [E, K, I]) in `dtype`."""
+        w13, w2 = (untile_matrix(self.w13), untile_matrix(self.w2)) if self.tiled else (self.w13, self.w2)
         if self.fmt == "mxfp4":
-            return (dequantize_mxfp4(self.w13, self.w13_scale, dtype),
-                    dequantize_mxfp4(self.w2, self.w2_scale, dtype))
-        return (dequantize_nvfp4(self.w13, self.w13_scale, self.w13_global, dtype),
-                dequantize_nvfp4(self.w2, self.w2_scale, self.w2_global, dtype))
+            return dequantize_mxfp4(w13, self.w13_scale, dtype), dequantize_mxfp4(w2, self.w2_scale, dtype)
+        return (dequantize_nvfp4(w13, self.w13_scale, self.w13_global, dtype),
+                dequantize_nvfp4(w2, self.w2_scale, self.w2_global, dtype))
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -60,6 +87,19 @@ def quantize_experts_(model: nn.Module, fmt: str) -> None:
     Fp4Experts in `fmt` (the offline quantiser for tests and demos without FP4 checkpoints)."""
     for layer in model.model.layers:
         layer.mlp.experts = Fp4Experts.quantize(layer.mlp.experts, fmt).to(layer.mlp.experts.gate_up_proj.device)
+
+
+def tile_fp4_experts_(model: nn.Module) -> int:
+    """Moves, in place, every Fp4Experts of a DeepseekV4ForCausalLM whose sizes split into tiles to
+    the tiled layout (Fp4Experts.tile_). Returns how many modules are tiled now. transformers'
+    own FP8Experts (read through views) stay row-major."""
+    tiled = 0
+    for layer in model.model.layers:
+        experts = layer.mlp.experts
+        if isinstance(experts, Fp4Experts) and (experts.tiled or experts.can_tile()):
+            experts.tile_()
+            tiled += 1
+    return tiled
 
 
 def is_fp4(experts: nn.Module) -> bool:

@@ -102,18 +102,24 @@ def moe_experts_fp4(
 
     x [M, K], topk_ids [M, k] int in [0, E), topk_weights [M, k] f32; w13 [E, 2I, K/2] and
     w2 [E, K, I/2] uint8 packed e2m1; fmt "mxfp4" (scales uint8 ue8m0 [E, rows, cols/32],
-    globals None) or "nvfp4" (scales e4m3 [E, rows, cols/16], globals [E] f32).
+    globals None) or "nvfp4" (scales e4m3 [E, rows, cols/16], globals [E] f32). w13 and w2 may
+    both be in the tiled layout (dsv4_compile.fp4_tiles): the gathered tiles are put back in row
+    order before dequantising.
     Returns [M, K] in x's dtype.
     """
     from dsv4_compile.fp4 import dequantize_mxfp4, dequantize_nvfp4
+    from dsv4_compile.fp4_tiles import is_tiled, untile_matrix
 
     ids = topk_ids.long()
+    w13_g, w2_g = w13[ids], w2[ids]
+    if is_tiled(w13):
+        w13_g, w2_g = untile_matrix(w13_g), untile_matrix(w2_g)
     if fmt == "mxfp4":
-        gate_up_w = dequantize_mxfp4(w13[ids], w13_scale[ids], x.dtype)
-        down_w = dequantize_mxfp4(w2[ids], w2_scale[ids], x.dtype)
+        gate_up_w = dequantize_mxfp4(w13_g, w13_scale[ids], x.dtype)
+        down_w = dequantize_mxfp4(w2_g, w2_scale[ids], x.dtype)
     else:
-        gate_up_w = dequantize_nvfp4(w13[ids], w13_scale[ids], w13_global[ids], x.dtype)
-        down_w = dequantize_nvfp4(w2[ids], w2_scale[ids], w2_global[ids], x.dtype)
+        gate_up_w = dequantize_nvfp4(w13_g, w13_scale[ids], w13_global[ids], x.dtype)
+        down_w = dequantize_nvfp4(w2_g, w2_scale[ids], w2_global[ids], x.dtype)
     return _routed_swiglu(x, gate_up_w, down_w, topk_weights, swiglu_limit)
 
 

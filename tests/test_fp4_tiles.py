@@ -1,0 +1,82 @@
+"""The tiled FP4 expert layout (dsv4_compile.fp4_tiles) and fp4_moe on tiled experts (interpreter on CPU)."""
+import pytest
+import torch
+
+from dsv4_compile import fp4_tiles
+from dsv4_compile.kernels import fp4_moe as moe
+from helpers import make_experts
+from test_fp4_moe import _args, make_routing
+
+def tiled_experts(w: dict) -> dict:
+    return dict(w, w13=fp4_tiles.tile_fp4(w["w13"]), w2=fp4_tiles.tile_fp4(w["w2"]))
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float8_e4m3fn])
+def test_tile_layout_and_round_trip(dtype):
+    """Element (r, c) sits at [r // 32, c // u, r % 32, c % u], each tile is contiguous, and
+    untile_matrix inverts tile_matrix exactly."""
+    units = 8
+    t = torch.randint(0, 256, (2, 64, 24), dtype=torch.uint8).view(dtype)
+    tiled = fp4_tiles.tile_matrix(t, units)
+    assert tiled.shape == (2, 2, 3, 32, units) and tiled.is_contiguous()
+    raw, tiled_raw = t.view(torch.uint8), tiled.view(torch.uint8)
+    for e, r, c in [(0, 0, 0), (1, 63, 23), (0, 33, 9), (1, 17, 16)]:
+        assert tiled_raw[e, r // 32, c // units, r % 32, c % units] == raw[e, r, c]
+    assert torch.equal(fp4_tiles.untile_matrix(tiled).view(torch.uint8), raw)
+    assert fp4_tiles.logical_shape(tiled) == tuple(t.shape)
+
+
+def test_tile_rejects_partial_tiles():
+    with pytest.raises(ValueError, match="tiles of 32 rows"):
+        fp4_tiles.tile_matrix(torch.zeros(1, 48, 64, dtype=torch.uint8), 64)
+    with pytest.raises(ValueError, match="tiles of 32 rows"):
+        fp4_tiles.tile_matrix(torch.zeros(1, 64, 96, dtype=torch.uint8), 64)
+
+
+CONFIGS = [moe.TileConfig("mma", 8, 16, 32, num_warps=1, prefetch=True), moe.TileConfig("mma", 4, 32, 64, num_warps=1),
+           moe.TileConfig("gemv", 2, 16, 64, num_warps=2, prefetch=True), moe.TileConfig("dot", 16, 32, 32)]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=["mma_prefetch", "mma", "gemv_prefetch", "dot"])
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_tiled_experts_give_the_same_outputs(config, fmt):
+    """Each path on tiled experts writes exactly what it writes on the row-major ones (the same
+    arithmetic in the same order, only the addresses differ), and both match the reference."""
+    experts, hidden, inter, tokens, top_k = 3, 128, 128, 4, 2
+    w = make_experts(fmt, experts, hidden, inter, seed=31)
+    tiled = tiled_experts(w)
+    ids, weights = make_routing(tokens, top_k, experts, "random", seed=31)
+    ids[0, 0], ids[1, 1] = -1, 2
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(32)).to(torch.bfloat16)
+    outs = []
+    for experts_in in (w, tiled):
+        pair_out = torch.full((tokens * top_k, hidden), float("nan"))
+        outs.append(moe.fp4_moe_pairs_triton(*_args(x, ids, weights, experts_in, 0.5), pair_out=pair_out,
+                                             config=config))
+    valid = ((ids >= 0) & (ids < experts)).reshape(-1)
+    assert not outs[1][valid].isnan().any()
+    assert torch.equal(outs[0][valid], outs[1][valid])
+    want = moe.fp4_moe_reference(*_args(x, ids, weights, w, 0.5))
+    assert torch.equal(moe.fp4_moe_reference(*_args(x, ids, weights, tiled, 0.5)), want)
+    got = moe.combine_pairs(outs[1], ids, experts, x.dtype).float()
+    # bf16 output rounding (2**-8 relative): the test_fp4_moe tolerance for bf16 x
+    assert (got - want.float()).abs().max() <= 2e-2 * want.float().abs().max()
+
+
+def test_tiled_op_checks():
+    w = make_experts("mxfp4", 2, 128, 128, seed=3)
+    tiled = tiled_experts(w)
+    x = torch.randn(3, 128)
+    ids, weights = make_routing(3, 2, 2, "random", seed=3)
+    mixed = dict(tiled, w2=w["w2"])
+    with pytest.raises(ValueError, match="both be row-major or both tiled"):
+        torch.ops.dsv4.fp4_moe(*_args(x, ids, weights, mixed, None))
+    bad = dict(tiled, w13=tiled["w13"].reshape(2, 8, 1, 64, 32))
+    with pytest.raises(ValueError, match="tiles of"):
+        torch.ops.dsv4.fp4_moe(*_args(x, ids, weights, bad, None))
+    tiled_scale = dict(tiled, w13_scale=fp4_tiles.tile_matrix(w["w13_scale"], 4))
+    with pytest.raises(ValueError, match="w13_scale must be"):
+        torch.ops.dsv4.fp4_moe(*_args(x, ids, weights, tiled_scale, None))
+    got = torch.ops.dsv4.fp4_moe(*_args(x, ids, weights, tiled, None))
+    want = moe.fp4_moe_reference(*_args(x, ids, weights, w, None))
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()  # f32 x: summation order only
