@@ -367,12 +367,15 @@ def markdown(results: list[Result], summary: dict, shared: dict, local: dict) ->
 # loads are cp.asyncs too), so no gather is in flight while a tile is attended. idx_asm keeps one
 # in flight from 3 stages on (692 instructions, 204 regs, 82,944 B); kv_halves splits QK into two
 # 16-long chains and shares each row's address between the halves (602, 202 regs, 50,432 B); both:
-# 542 instructions, 201 regs, 82,944 B. FP8 default: 1094 instructions, 224 regs, every gather
-# consumed in its own iteration (1 stage); kv_halves 925; idx_asm + kv_halves at n16 st3: 703 per
-# 16-row tile, two gathers in flight, 224 regs, 98,304 B.
+# 542 instructions, 201 regs, 82,944 B; at 8 warps 374 a warp (QK's 4 column tiles of 8 are
+# computed twice), 128 regs: two 8-warp programs an SM. FP8 default: 1094 instructions (226 register
+# moves, 100 LDS.64 of the transposed K operand), 224 regs, every gather consumed in its own
+# iteration (1 stage); kv_halves 925; idx_asm + kv_halves at n16 st3: 703 per 16-row tile, two
+# gathers in flight, 224 regs, 98,304 B.
 SWEEP_CONFIGS = [
     ("bf16", 16, 512, 32, 4, 2, 0, 0, False, False), ("bf16", 16, 512, 32, 4, 2, 0, 0, False, True),
     ("bf16", 16, 512, 32, 4, 3, 0, 0, True, False), ("bf16", 16, 512, 32, 4, 3, 0, 0, True, True),
+    ("bf16", 16, 512, 32, 8, 3, 0, 0, True, True),
     ("fp8", 16, 512, 32, 8, 1, 0, 0, False, False), ("fp8", 16, 512, 32, 8, 1, 0, 0, False, True),
     ("fp8", 16, 512, 16, 8, 3, 0, 0, True, True),
 ]

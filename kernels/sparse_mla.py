@@ -12,8 +12,11 @@ halves over two programs (each recomputes QK over all dims; the second gather hi
 f32 accumulator is [64, 256]. Each token walks its own index list, so CSA verify tokens with
 different top-k lists cost no extra dots; the T tokens of a request run in adjacent programs, so
 rows they share come from L2. The tile loop stops after the token's last selected position
-(HCA lists have -1 tails) and carries the next tile's indices, so Triton's pipeliner keeps
-num_stages - 1 gathers in flight (an optional L2 prefetch hint reaches further ahead). For small
+(HCA lists have -1 tails) and carries the next tile's indices, so Triton's pipeliner gives the
+gather num_stages - 1 shared-memory buffers; with the index loads in inline asm (idx_asm) its wait
+keeps num_stages - 2 gathers in flight while a tile is attended (an optional L2 prefetch hint
+reaches further ahead). kv_halves splits the head dims in two halves: two independent QK MMA
+chains, and the halves share each row's address arithmetic. For small
 grids the index positions are split across programs (split-K): each split writes its normalised
 partial output and log-sum-exp (`dsv4::sparse_mla_partials`, whose reference is the spec of the
 split), and a combine kernel merges them and adds the sink.
