@@ -3,7 +3,7 @@
     pip install --no-deps --no-build-isolation -e .       # once, so dsv4_compile.kernels imports
     python bench/bench_sparse_mla.py --out DIR            # H200: real sizes, about 3 minutes
     python bench/bench_sparse_mla.py --out DIR --smoke    # CPU: tiny sizes, TRITON_INTERPRET=1
-    python bench/bench_sparse_mla.py --out DIR --sweep    # H200: the candidate tile configs, about 4 minutes
+    python bench/bench_sparse_mla.py --out DIR --sweep    # H200: the candidate tile configs on CSA, ~90 s
 
 For each case: correctness first (kernel vs reference at that size, random data), then the median
 time of the eager reference, torch.compile(reference) and the Triton kernel, each replayed from a
@@ -358,45 +358,52 @@ def markdown(results: list[Result], summary: dict, shared: dict, local: dict) ->
     return "\n".join(lines)
 
 
-# (rows, h_block, block_dv, block_n, num_warps, num_stages, prefetch, max_splits): pick_config's
-# defaults (sm.DEFAULT_TILES; copy a winning row there) first: bf16 16 heads x 512 columns, 4 warps,
-# 2 stages; FP8 8 warps, 1 stage. Then candidates. The tile loop carries the next tile's indices, so
-# num_stages - 1 gathers are in flight (cross-compiled: 2 stages on mma.sync keep one buffer, 3 two,
-# 4 three). sm_90 regs / sm_120 shared: 16x512 n16 w4 156 regs (3 blocks an SM), st3 49,920 B, st4
-# 66,432 B; n16 w8 112 regs (2 blocks); h64 x 512 runs all heads of a token per program on wgmma (no
-# 4x L2 re-reads of a row; wgmma keeps 2 buffers at st2: 253 regs, 1 block an SM, 84,096 B on sm_120),
-# max_splits 2 keeps its T=1 grid at one wave of 128 programs; h64 x 256 st2 193 regs, 92,352 B
-# (unsplit: 128 programs). prefetch = tiles of rows hinted into L2 ahead of the gather (0: none).
-# FP8 n16 st3: 98,688 B (its rope tile is a masked 16 x 512 bf16 load).
+# (rows, h_block, block_dv, block_n, num_warps, num_stages, prefetch, max_splits, idx_asm, kv_halves):
+# pick_config's defaults (sm.DEFAULT_TILES; copy a winning row there) first, then candidates. The
+# fifth session swept the rest (bench/RESULTS.md): 3 stages, BLOCK_N 16 at 4 or 8 warps, the L2
+# prefetch, 64 heads a program (wgmma) and FP8 n16 st3 all lost to the defaults. sm_90 SASS of the
+# CSA tile loop (cross-compiled, B=64, per 32-row tile and warp): bf16 default 797 instructions,
+# 222 regs, one 32-long dependent QK MMA chain, and its cp.async wait drains every group (the index
+# loads are cp.asyncs too), so no gather is in flight while a tile is attended. idx_asm keeps one
+# in flight from 3 stages on (692 instructions, 204 regs, 82,944 B); kv_halves splits QK into two
+# 16-long chains and shares each row's address between the halves (602, 202 regs, 50,432 B); both:
+# 542 instructions, 201 regs, 82,944 B; at 8 warps 374 a warp (QK's 4 column tiles of 8 are
+# computed twice), 128 regs: two 8-warp programs an SM. FP8 default: 1094 instructions (226 register
+# moves, 100 LDS.64 of the transposed K operand), 224 regs, every gather consumed in its own
+# iteration (1 stage); kv_halves 925; idx_asm + kv_halves at n16 st3: 703 per 16-row tile, two
+# gathers in flight, 224 regs, 98,304 B.
 SWEEP_CONFIGS = [
-    ("bf16", 16, 512, 32, 4, 2, 0, 0), ("bf16", 16, 512, 32, 4, 3, 0, 0),
-    ("bf16", 16, 512, 16, 4, 3, 0, 0), ("bf16", 16, 512, 16, 4, 4, 0, 0),
-    ("bf16", 16, 512, 16, 8, 3, 0, 0), ("bf16", 16, 512, 16, 8, 4, 0, 0), ("bf16", 16, 512, 16, 8, 4, 4, 0),
-    ("bf16", 64, 512, 16, 8, 2, 0, 2), ("bf16", 64, 256, 16, 8, 2, 0, 1),
-    ("fp8", 16, 512, 32, 8, 1, 0, 0), ("fp8", 16, 512, 16, 8, 3, 0, 0),
+    ("bf16", 16, 512, 32, 4, 2, 0, 0, False, False), ("bf16", 16, 512, 32, 4, 2, 0, 0, False, True),
+    ("bf16", 16, 512, 32, 4, 3, 0, 0, True, False), ("bf16", 16, 512, 32, 4, 3, 0, 0, True, True),
+    ("bf16", 16, 512, 32, 8, 3, 0, 0, True, True),
+    ("fp8", 16, 512, 32, 8, 1, 0, 0, False, False), ("fp8", 16, 512, 32, 8, 1, 0, 0, False, True),
+    ("fp8", 16, 512, 16, 8, 3, 0, 0, True, True),
 ]
+SWEEP_LAYERS = {"csa": 512, "hca": 1024}
 
 
-def sweep(device, out_dir: Path, smoke: bool) -> int:
-    """Each SWEEP_CONFIGS entry at B=64, H=64, T in {1, 4}, CSA and HCA, on its row format: checked
+def sweep(device, out_dir: Path, smoke: bool, layers: list[str]) -> int:
+    """Each SWEEP_CONFIGS entry at B=64, H=64, T in {1, 4}, on each of `layers`, on its row format: checked
     against the reference, then timed (CUDA-graph replays). Prints and writes DIR/sparse_mla_sweep.md
     with time, floor fraction, this GPU's registers / spills / shared memory and sm_120's shared
     memory (cross-compiled). Returns 2 when a config disagrees with the reference. smoke: B=1 and
     short lists in the interpreter (wall-clock times; no local registers)."""
-    lines = ["| rows | layer | T | config (h, dv, n, warps, stages, prefetch, splits) | us | floor us | "
-             "floor frac | regs | spill B | shared B | sm_120 shared B | sm_120 regs / spill B | max err |",
+    lines = ["| rows | layer | T | config (h, dv, n, warps, stages, prefetch, splits, idx_asm, kv_halves) | us | "
+             "floor us | floor frac | regs | spill B | shared B | sm_120 shared B | sm_120 regs / spill B | max err |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     failed, start = False, time.perf_counter()
     sm120: dict = {}
-    for fmt, h_block, block_dv, block_n, warps, stages, prefetch, max_splits in SWEEP_CONFIGS:
-        for layer, extra_len in (("csa", 512), ("hca", 1024)):
+    for fmt, h_block, block_dv, block_n, warps, stages, prefetch, max_splits, idx_asm, kv_halves in SWEEP_CONFIGS:
+        for layer in layers:
+            extra_len = SWEEP_LAYERS[layer]
             for tokens in (1, 4):
                 case = Case(f"{layer}-{fmt}", 1 if smoke else 64, tokens, 64, layer, fmt,
                             extra_len // 16 if smoke else extra_len, window=16 if smoke else WINDOW)
                 args = make_inputs(case, device)
                 programs = case.batch * tokens * triton.cdiv(case.heads, h_block) * (case.head_dim // block_dv)
                 splits = sm.split_count(programs, case.window + case.extra_len, device, max_splits=max_splits or None)
-                cfg = sm.LaunchConfig(h_block, block_dv, block_n, splits, warps, stages, prefetch)
+                cfg = sm.LaunchConfig(h_block, block_dv, block_n, splits, warps, stages, prefetch, idx_asm,
+                                      kv_halves)
                 out = torch.empty_like(args[0])
                 launches = sm.plan_sparse_mla(*args, out=out, config=cfg)
                 compiled = [launch.kernel[launch.grid](*launch.args, **launch.meta) for launch in launches][0]
@@ -412,7 +419,8 @@ def sweep(device, out_dir: Path, smoke: bool) -> int:
                 seconds = graph_timer(run, smoke)[0]
                 nbytes, flops = floors(case, args)
                 floor_us = max(nbytes / HBM_BYTES_PER_S, flops / BF16_FLOPS_PER_S) * 1e6
-                key = (fmt, h_block, block_dv, block_n, warps, stages, prefetch)  # T, splits leave smem alone
+                # T, splits leave smem alone
+                key = (fmt, h_block, block_dv, block_n, warps, stages, prefetch, idx_asm, kv_halves)
                 if key not in sm120 and smoke:
                     sm120[key] = ("not checked (interpreter)", "")
                 elif key not in sm120:
@@ -422,7 +430,7 @@ def sweep(device, out_dir: Path, smoke: bool) -> int:
                     except Exception as exc:  # noqa: BLE001 - recorded in the table
                         sm120[key] = (f"failed {exc!r:.60}", "")
                 line = (f"| {fmt} | {layer} | {tokens} | {h_block}, {block_dv}, {block_n}, {warps}, {stages}, "
-                        f"{prefetch}, {splits} | {seconds * 1e6:.1f} | {floor_us:.1f} | "
+                        f"{prefetch}, {splits}, {idx_asm:d}, {kv_halves:d} | {seconds * 1e6:.1f} | {floor_us:.1f} | "
                         f"{floor_us / (seconds * 1e6):.3f} | "
                         f"{getattr(compiled, 'n_regs', '-')} | {getattr(compiled, 'n_spills', '-')} | "
                         f"{compiled.metadata.shared if compiled else '-'} | {sm120[key][0]} | "
@@ -440,13 +448,15 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU with TRITON_INTERPRET=1")
     parser.add_argument("--sweep", action="store_true",
                         help="check and time the candidate tile configs (SWEEP_CONFIGS) at B=64, then stop")
+    parser.add_argument("--sweep-layers", default="csa",
+                        help="comma-separated layers of --sweep (csa, hca); csa alone keeps it near 90 s")
     parser.add_argument("--sm120-budget", type=float, default=60.0,
                         help="seconds for cross-compiling the configs for sm_120 (the rest are listed unchecked)")
     opts = parser.parse_args()
     opts.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cpu" if opts.smoke else "cuda")
     if opts.sweep:
-        return sweep(device, opts.out, opts.smoke)
+        return sweep(device, opts.out, opts.smoke, opts.sweep_layers.split(","))
     start = time.perf_counter()
     launches: dict = {}
     results = [run_case(case, device, opts.smoke, launches) for case in cases(opts.smoke)]

@@ -12,8 +12,11 @@ halves over two programs (each recomputes QK over all dims; the second gather hi
 f32 accumulator is [64, 256]. Each token walks its own index list, so CSA verify tokens with
 different top-k lists cost no extra dots; the T tokens of a request run in adjacent programs, so
 rows they share come from L2. The tile loop stops after the token's last selected position
-(HCA lists have -1 tails) and carries the next tile's indices, so Triton's pipeliner keeps
-num_stages - 1 gathers in flight (an optional L2 prefetch hint reaches further ahead). For small
+(HCA lists have -1 tails) and carries the next tile's indices, so Triton's pipeliner gives the
+gather num_stages - 1 shared-memory buffers; with the index loads in inline asm (idx_asm) its wait
+keeps num_stages - 2 gathers in flight while a tile is attended (an optional L2 prefetch hint
+reaches further ahead). kv_halves splits the head dims in two halves: two independent QK MMA
+chains, and the halves share each row's address arithmetic. For small
 grids the index positions are split across programs (split-K): each split writes its normalised
 partial output and log-sum-exp (`dsv4::sparse_mla_partials`, whose reference is the spec of the
 split), and a combine kernel merges them and adds the sink.
@@ -289,10 +292,21 @@ def _load_rows(kv_ptr, rope_ptr, scale_ptr, rows, row_ok, col0,
 
 
 @triton.jit
-def _tile_rows(idx_ptr, stride_ik, start, pos_hi, num_rows, BLOCK_N: tl.constexpr):
-    """Rows [BN] int64 of index positions [start, start + BN) and which of them to read (none past pos_hi)."""
+def _tile_rows(idx_ptr, stride_ik, start, pos_hi, num_rows, BLOCK_N: tl.constexpr, IDX_ASM: tl.constexpr):
+    """Rows [BN] int64 of index positions [start, start + BN) and which of them to read (none past pos_hi).
+
+    IDX_ASM (GPU only): the index load is an inline-asm ld.global.nc, which Triton's pipeliner does
+    not turn into a cp.async; as a cp.async it joins the gathers' commit groups and the loop's
+    wait then drains every group (num = 0), the next tile's gather included.
+    """
     offs_n = start + tl.arange(0, BLOCK_N)
-    rows = tl.load(idx_ptr + offs_n * stride_ik, mask=offs_n < pos_hi, other=-1)
+    if IDX_ASM:
+        rows = tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, -1; @p ld.global.nc.b32 $0, [$1]; }",
+            "=r,l,r", [idx_ptr + offs_n * stride_ik, (offs_n < pos_hi).to(tl.int32)], dtype=tl.int32,
+            is_pure=True, pack=1)
+    else:
+        rows = tl.load(idx_ptr + offs_n * stride_ik, mask=offs_n < pos_hi, other=-1)
     ok = (rows >= 0) & (rows < num_rows)  # -1 and out of range: skipped, never read
     return rows.to(tl.int64), ok
 
@@ -328,6 +342,54 @@ def _attend_rows(q, m_i, l_i, acc, rows, ok, col0,
 
 
 @triton.jit
+def _attend_rows_halves(q0, q1, m_i, l_i, acc0, acc1, rows, ok,
+                        kv_ptr, rope_ptr, scale_ptr, stride_row, stride_col, stride_rope_row, stride_scale_row,
+                        qk_scale_log2,
+                        HEAD_DIM: tl.constexpr, NOPE: tl.constexpr, FP8: tl.constexpr, BLOCK_N: tl.constexpr,
+                        HALF: tl.constexpr, KV_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """`_attend_rows` with the head dims in two halves of HALF columns (q0/q1, acc0/acc1, two
+    gathers): QK is two independent dot chains of HALF/16 MMAs instead of one of 2 HALF/16."""
+    k0 = _load_rows(kv_ptr, rope_ptr, scale_ptr, rows, ok, 0, stride_row, stride_col, stride_rope_row,
+                    stride_scale_row, HEAD_DIM, NOPE, FP8, KV_DTYPE, BLOCK_N, HALF)
+    k1 = _load_rows(kv_ptr, rope_ptr, scale_ptr, rows, ok, HALF, stride_row, stride_col, stride_rope_row,
+                    stride_scale_row, HEAD_DIM, NOPE, FP8, KV_DTYPE, BLOCK_N, HALF)
+    # scaled before the sum: Triton folds dot(a, b, 0) + c into dot(a, b, c), one chain again
+    s = (tl.dot(q0, tl.trans(k0), input_precision=DOT_PRECISION) * qk_scale_log2
+         + tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION) * qk_scale_log2)  # [H_BLOCK, BN]
+    s = tl.where(ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    p = p.to(KV_DTYPE)
+    acc0 = acc0 * alpha[:, None] + tl.dot(p, k0, input_precision=DOT_PRECISION)
+    acc1 = acc1 * alpha[:, None] + tl.dot(p, k1, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc0, acc1
+
+
+@triton.jit
+def _attend_step(q0, q1, m_i, l_i, acc0, acc1, rows, ok, col0,
+                 kv_ptr, rope_ptr, scale_ptr, stride_row, stride_col, stride_rope_row, stride_scale_row,
+                 qk_scale_log2,
+                 HEAD_DIM: tl.constexpr, NOPE: tl.constexpr, FP8: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, KV_HALVES: tl.constexpr,
+                 KV_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One tile: `_attend_rows_halves` when KV_HALVES, else `_attend_rows` on (q0, acc0) (q1, acc1 unused)."""
+    if KV_HALVES:
+        m_i, l_i, acc0, acc1 = _attend_rows_halves(
+            q0, q1, m_i, l_i, acc0, acc1, rows, ok, kv_ptr, rope_ptr, scale_ptr, stride_row, stride_col,
+            stride_rope_row, stride_scale_row, qk_scale_log2, HEAD_DIM, NOPE, FP8, BLOCK_N, BLOCK_D // 2,
+            KV_DTYPE, DOT_PRECISION)
+    else:
+        m_i, l_i, acc0 = _attend_rows(
+            q0, m_i, l_i, acc0, rows, ok, col0,
+            kv_ptr, rope_ptr, scale_ptr, stride_row, stride_col, stride_rope_row, stride_scale_row,
+            qk_scale_log2, HEAD_DIM, NOPE, FP8, BLOCK_N, BLOCK_D, BLOCK_DV, KV_DTYPE, DOT_PRECISION)
+    return m_i, l_i, acc0, acc1
+
+
+@triton.jit
 def _prefetch_rows_l2(kv_ptr, idx_ptr, stride_ik, start, pos_hi, num_rows, stride_row, stride_col,
                       LINE_ELEMS: tl.constexpr, ROW_ELEMS: tl.constexpr, ROW_LINES: tl.constexpr,
                       BLOCK_P: tl.constexpr):
@@ -345,19 +407,22 @@ def _prefetch_rows_l2(kv_ptr, idx_ptr, stride_ik, start, pos_hi, num_rows, strid
 
 
 @triton.jit
-def _attend_pool(q, m_i, l_i, acc, pos_lo, pos_hi, col0,
+def _attend_pool(q0, q1, m_i, l_i, acc0, acc1, pos_lo, pos_hi, col0,
                  kv_ptr, rope_ptr, scale_ptr, stride_row, stride_col, stride_rope_row, stride_scale_row,
                  idx_ptr, stride_ik, num_rows, num_idx, qk_scale_log2,
                  HEAD_DIM: tl.constexpr, NOPE: tl.constexpr, FP8: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_K: tl.constexpr,
                  KV_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
                  NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, LINE_ELEMS: tl.constexpr,
-                 ROW_ELEMS: tl.constexpr, ROW_LINES: tl.constexpr):
+                 ROW_ELEMS: tl.constexpr, ROW_LINES: tl.constexpr, IDX_ASM: tl.constexpr,
+                 KV_HALVES: tl.constexpr):
     """Online softmax over index positions [pos_lo, pos_hi) of one token's list in one pool.
 
     The loop stops after the token's last selected position (HCA lists have long -1 tails);
     inside, lanes with -1 are masked and cost no memory traffic. PREFETCH > 0 (GPU only) also
     hints the rows PREFETCH tiles ahead into L2, beyond the pipeliner's shared-memory buffers.
+    KV_HALVES: q0/acc0 and q1/acc1 are the two column halves (`_attend_rows_halves`), else q0/acc0
+    are all of them and q1/acc1 pass through.
     """
     offs_k = tl.arange(0, BLOCK_K)
     all_idx = tl.load(idx_ptr + offs_k * stride_ik, mask=offs_k < num_idx, other=-1)
@@ -365,16 +430,19 @@ def _attend_pool(q, m_i, l_i, acc, pos_lo, pos_hi, col0,
     pos_hi = tl.minimum(pos_hi, last + 1)
     # The next tile's rows travel in the loop state, so the gather's addresses do not come from a
     # load in the same iteration: Triton's pipeliner then multi-buffers the gather (num_stages - 1
-    # tiles in flight); loading the indices in the iteration that gathers keeps a single buffer.
-    rows, ok = _tile_rows(idx_ptr, stride_ik, pos_lo, pos_hi, num_rows, BLOCK_N)
+    # buffers); loading the indices in the iteration that gathers keeps a single buffer. The
+    # gathers stay in flight across the loop's wait only with IDX_ASM (see `_tile_rows`).
+    ASM_IDX: tl.constexpr = IDX_ASM and not INTERPRETED  # the interpreter runs no inline asm
+    rows, ok = _tile_rows(idx_ptr, stride_ik, pos_lo, pos_hi, num_rows, BLOCK_N, ASM_IDX)
     if INTERPRETED:  # the interpreter (numpy >= 2.4) cannot take range() bounds from its scalars
         start = pos_lo
         while start < pos_hi:
-            m_i, l_i, acc = _attend_rows(
-                q, m_i, l_i, acc, rows, ok, col0,
+            m_i, l_i, acc0, acc1 = _attend_step(
+                q0, q1, m_i, l_i, acc0, acc1, rows, ok, col0,
                 kv_ptr, rope_ptr, scale_ptr, stride_row, stride_col, stride_rope_row, stride_scale_row,
-                qk_scale_log2, HEAD_DIM, NOPE, FP8, BLOCK_N, BLOCK_D, BLOCK_DV, KV_DTYPE, DOT_PRECISION)
-            rows, ok = _tile_rows(idx_ptr, stride_ik, start + BLOCK_N, pos_hi, num_rows, BLOCK_N)
+                qk_scale_log2, HEAD_DIM, NOPE, FP8, BLOCK_N, BLOCK_D, BLOCK_DV, KV_HALVES, KV_DTYPE,
+                DOT_PRECISION)
+            rows, ok = _tile_rows(idx_ptr, stride_ik, start + BLOCK_N, pos_hi, num_rows, BLOCK_N, ASM_IDX)
             start += BLOCK_N
     else:
         if PREFETCH > 0:
@@ -384,12 +452,13 @@ def _attend_pool(q, m_i, l_i, acc, pos_lo, pos_hi, col0,
             if PREFETCH > 0:
                 _prefetch_rows_l2(kv_ptr, idx_ptr, stride_ik, start + PREFETCH * BLOCK_N, pos_hi, num_rows,
                                   stride_row, stride_col, LINE_ELEMS, ROW_ELEMS, ROW_LINES, BLOCK_N)
-            m_i, l_i, acc = _attend_rows(
-                q, m_i, l_i, acc, rows, ok, col0,
+            m_i, l_i, acc0, acc1 = _attend_step(
+                q0, q1, m_i, l_i, acc0, acc1, rows, ok, col0,
                 kv_ptr, rope_ptr, scale_ptr, stride_row, stride_col, stride_rope_row, stride_scale_row,
-                qk_scale_log2, HEAD_DIM, NOPE, FP8, BLOCK_N, BLOCK_D, BLOCK_DV, KV_DTYPE, DOT_PRECISION)
-            rows, ok = _tile_rows(idx_ptr, stride_ik, start + BLOCK_N, pos_hi, num_rows, BLOCK_N)
-    return m_i, l_i, acc
+                qk_scale_log2, HEAD_DIM, NOPE, FP8, BLOCK_N, BLOCK_D, BLOCK_DV, KV_HALVES, KV_DTYPE,
+                DOT_PRECISION)
+            rows, ok = _tile_rows(idx_ptr, stride_ik, start + BLOCK_N, pos_hi, num_rows, BLOCK_N, ASM_IDX)
+    return m_i, l_i, acc0, acc1
 
 
 @triton.jit
@@ -406,7 +475,7 @@ def _sparse_mla_fwd(
     HAS_EXTRA: tl.constexpr, HAS_SINK: tl.constexpr, SPLIT: tl.constexpr,
     KV_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_K: tl.constexpr, E_BLOCK_K: tl.constexpr,
     INTERPRETED: tl.constexpr, NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, LINE_ELEMS: tl.constexpr,
-    ROW_ELEMS: tl.constexpr, ROW_LINES: tl.constexpr,
+    ROW_ELEMS: tl.constexpr, ROW_LINES: tl.constexpr, IDX_ASM: tl.constexpr, KV_HALVES: tl.constexpr,
 ):
     """One program: H_BLOCK heads x BLOCK_DV value columns of one query token, over one split.
 
@@ -425,17 +494,25 @@ def _sparse_mla_fwd(
     t = bt % T
     head = hb * H_BLOCK + tl.arange(0, H_BLOCK)
     head_ok = head < H
-    offs_d = tl.arange(0, BLOCK_D)
     col0 = dvb * BLOCK_DV
     offs_dv = col0 + tl.arange(0, BLOCK_DV)
     dv_ok = offs_dv < HEAD_DIM
 
-    q = tl.load(q_ptr + b * stride_qb + t * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-                mask=head_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
-    q = q.to(KV_DTYPE)
+    # KV_HALVES (BLOCK_DV == BLOCK_D): q and the accumulator in two column halves (_attend_rows_halves)
+    Q_COLS: tl.constexpr = BLOCK_D // 2 if KV_HALVES else BLOCK_D
+    q_rows = q_ptr + b * stride_qb + t * stride_qt + head[:, None] * stride_qh
+    offs_q = tl.arange(0, Q_COLS)
+    q0 = tl.load(q_rows + offs_q[None, :] * stride_qd, mask=head_ok[:, None] & (offs_q < HEAD_DIM)[None, :],
+                 other=0.0).to(KV_DTYPE)
+    q1 = q0
+    acc1 = tl.zeros([H_BLOCK, 1], tl.float32)
+    if KV_HALVES:
+        q1 = tl.load(q_rows + (Q_COLS + offs_q)[None, :] * stride_qd,
+                     mask=head_ok[:, None] & (Q_COLS + offs_q < HEAD_DIM)[None, :], other=0.0).to(KV_DTYPE)
+        acc1 = tl.zeros([H_BLOCK, Q_COLS], tl.float32)
     m_i = tl.full([H_BLOCK], float("-inf"), tl.float32)
     l_i = tl.zeros([H_BLOCK], tl.float32)
-    acc = tl.zeros([H_BLOCK, BLOCK_DV], tl.float32)
+    acc = tl.zeros([H_BLOCK, BLOCK_DV // 2 if KV_HALVES else BLOCK_DV], tl.float32)
 
     # split s owns whole SPLIT_TILE tiles [lo, hi) of the main list's tiles followed by the extra's
     tiles_main = tl.cdiv(num_idx, SPLIT_TILE)
@@ -444,20 +521,21 @@ def _sparse_mla_fwd(
         tiles_all += tl.cdiv(e_num_idx, SPLIT_TILE)
     lo = split * tiles_per_split
     hi = tl.minimum(lo + tiles_per_split, tiles_all)
-    m_i, l_i, acc = _attend_pool(
-        q, m_i, l_i, acc, lo * SPLIT_TILE, tl.minimum(tl.minimum(hi, tiles_main) * SPLIT_TILE, num_idx), col0,
+    m_i, l_i, acc, acc1 = _attend_pool(
+        q0, q1, m_i, l_i, acc, acc1, lo * SPLIT_TILE,
+        tl.minimum(tl.minimum(hi, tiles_main) * SPLIT_TILE, num_idx), col0,
         kv_ptr, rope_ptr, scale_ptr, stride_row, stride_col, stride_rope_row, stride_scale_row,
         idx_ptr + b * stride_ib + t * stride_it, stride_ik, num_rows, num_idx, qk_scale_log2,
         HEAD_DIM, NOPE, FP8, BLOCK_N, BLOCK_D, BLOCK_DV, BLOCK_K, KV_DTYPE, DOT_PRECISION, INTERPRETED, NUM_STAGES,
-        PREFETCH, LINE_ELEMS, ROW_ELEMS, ROW_LINES)
+        PREFETCH, LINE_ELEMS, ROW_ELEMS, ROW_LINES, IDX_ASM, KV_HALVES)
     if HAS_EXTRA:
-        m_i, l_i, acc = _attend_pool(
-            q, m_i, l_i, acc, tl.maximum(lo - tiles_main, 0) * SPLIT_TILE,
+        m_i, l_i, acc, acc1 = _attend_pool(
+            q0, q1, m_i, l_i, acc, acc1, tl.maximum(lo - tiles_main, 0) * SPLIT_TILE,
             tl.minimum((hi - tiles_main) * SPLIT_TILE, e_num_idx), col0,
             ekv_ptr, erope_ptr, escale_ptr, e_stride_row, e_stride_col, e_stride_rope_row, e_stride_scale_row,
             eidx_ptr + b * e_stride_ib + t * e_stride_it, e_stride_ik, e_num_rows, e_num_idx, qk_scale_log2,
             HEAD_DIM, NOPE, FP8, BLOCK_N, BLOCK_D, BLOCK_DV, E_BLOCK_K, KV_DTYPE, DOT_PRECISION, INTERPRETED,
-            NUM_STAGES, PREFETCH, LINE_ELEMS, ROW_ELEMS, ROW_LINES)
+            NUM_STAGES, PREFETCH, LINE_ELEMS, ROW_ELEMS, ROW_LINES, IDX_ASM, KV_HALVES)
 
     bth = bt * H + head  # flat (b, t, h) of each row
     if SPLIT:
@@ -465,8 +543,16 @@ def _sparse_mla_fwd(
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=head_ok & (dvb == 0))  # every dvb has the same lse
-        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_dv[None, :], acc / l_safe[:, None],
-                 mask=head_ok[:, None] & dv_ok[None, :])
+        if KV_HALVES:
+            offs_h = tl.arange(0, BLOCK_D // 2)
+            tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_h[None, :], acc / l_safe[:, None],
+                     mask=head_ok[:, None] & (offs_h < HEAD_DIM)[None, :])
+            offs_h += BLOCK_D // 2
+            tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_h[None, :], acc1 / l_safe[:, None],
+                     mask=head_ok[:, None] & (offs_h < HEAD_DIM)[None, :])
+        else:
+            tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_dv[None, :], acc / l_safe[:, None],
+                     mask=head_ok[:, None] & dv_ok[None, :])
     else:
         if HAS_SINK:
             sink = tl.load(sink_ptr + head, mask=head_ok, other=float("-inf")) * 1.4426950408889634
@@ -478,9 +564,19 @@ def _sparse_mla_fwd(
             acc_w = tl.full([H_BLOCK], 1.0, tl.float32)
             denom = l_i
         factor = tl.where(denom > 0, acc_w / tl.where(denom > 0, denom, 1.0), 0.0)
-        out = acc * factor[:, None]
-        tl.store(out_ptr + bth[:, None] * HEAD_DIM + offs_dv[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=head_ok[:, None] & dv_ok[None, :])
+        if KV_HALVES:
+            offs_h = tl.arange(0, BLOCK_D // 2)
+            tl.store(out_ptr + bth[:, None] * HEAD_DIM + offs_h[None, :],
+                     (acc * factor[:, None]).to(out_ptr.dtype.element_ty),
+                     mask=head_ok[:, None] & (offs_h < HEAD_DIM)[None, :])
+            offs_h += BLOCK_D // 2
+            tl.store(out_ptr + bth[:, None] * HEAD_DIM + offs_h[None, :],
+                     (acc1 * factor[:, None]).to(out_ptr.dtype.element_ty),
+                     mask=head_ok[:, None] & (offs_h < HEAD_DIM)[None, :])
+        else:
+            out = acc * factor[:, None]
+            tl.store(out_ptr + bth[:, None] * HEAD_DIM + offs_dv[None, :], out.to(out_ptr.dtype.element_ty),
+                     mask=head_ok[:, None] & dv_ok[None, :])
 
 
 @triton.jit
@@ -520,7 +616,10 @@ class LaunchConfig:
 
     A program covers h_block heads x block_dv value columns of one query token (block_dv = 0
     means all of them); block_n index positions per tile; prefetch: how many tiles ahead the
-    rows are hinted into L2 (0 = none; prefetch * block_n a power of two).
+    rows are hinted into L2 (0 = none; prefetch * block_n a power of two); idx_asm: the tile
+    loop's index loads are inline asm, out of the pipeliner's reach, so that its waits keep
+    num_stages - 2 gathers in flight (see `_tile_rows`; 2 stages keep none either way); kv_halves:
+    the head dims in two column halves, two independent QK dot chains (all value columns only).
     """
 
     h_block: int
@@ -530,6 +629,8 @@ class LaunchConfig:
     num_warps: int
     num_stages: int
     prefetch: int = 0
+    idx_asm: bool = False
+    kv_halves: bool = False
 
 
 _SM_COUNTS: dict[int, int] = {}
@@ -558,10 +659,11 @@ def split_count(programs: int, num_idx_total: int, device: torch.device, num_spl
 
 
 # pick_config's tiles per row format: (h_block, block_dv (0: all columns), block_n, num_warps,
-# num_stages, prefetch, max_splits (0: the split-K heuristic uncapped)), as in the bench's SWEEP_CONFIGS.
+# num_stages, prefetch, max_splits (0: the split-K heuristic uncapped), idx_asm, kv_halves), as in
+# the bench's SWEEP_CONFIGS.
 DEFAULT_TILES = {
-    "bf16": (16, 0, 32, 4, 2, 0, 0),
-    "fp8": (16, 0, 32, 8, 1, 0, 0),
+    "bf16": (16, 0, 32, 4, 2, 0, 0, False, False),
+    "fp8": (16, 0, 32, 8, 1, 0, 0, False, False),
 }
 
 
@@ -578,13 +680,13 @@ def pick_config(batch: int, tokens: int, heads: int, head_dim: int, num_idx_tota
     dequantisation spills with more heads or stages. Small grids split the index positions
     (split-K) so that about two programs run per SM.
     """
-    h_block, block_dv, block_n, num_warps, num_stages, prefetch, max_splits = DEFAULT_TILES[
-        "fp8" if fp8_rows else "bf16"]
+    tiles = DEFAULT_TILES["fp8" if fp8_rows else "bf16"]
+    h_block, block_dv, block_n, num_warps, num_stages, prefetch, max_splits, idx_asm, kv_halves = tiles
     block_d = triton.next_power_of_2(head_dim)
     block_dv = min(block_dv or block_d, block_d)
     programs = batch * tokens * triton.cdiv(heads, h_block) * (block_d // block_dv)
     num_splits = split_count(programs, num_idx_total, device, num_splits, max_splits or None)
-    return LaunchConfig(h_block, block_dv, block_n, num_splits, num_warps, num_stages, prefetch)
+    return LaunchConfig(h_block, block_dv, block_n, num_splits, num_warps, num_stages, prefetch, idx_asm, kv_halves)
 
 
 def _pool_args(rows: torch.Tensor, scales: torch.Tensor | None, layout: _Layout):
@@ -629,6 +731,9 @@ def plan_sparse_mla(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx, s
     if block_d % block_dv or (layout.fp8 and block_dv % SCALE_GROUP):
         raise ValueError(f"config.block_dv: {cfg.block_dv} must divide {block_d} (and be a multiple of 64 "
                          f"for FP8 rows)")
+    if cfg.kv_halves and (block_dv != block_d or (layout.fp8 and block_d % (2 * SCALE_GROUP))):
+        raise ValueError(f"config.kv_halves: needs all value columns (block_dv {cfg.block_dv}) and, for FP8 "
+                         f"rows, halves of whole 64-dim groups (block_d {block_d})")
     num_tiles = triton.cdiv(idx.shape[2], SPLIT_TILE) + triton.cdiv(num_extra, SPLIT_TILE)
     tiles_per_split = max(1, triton.cdiv(num_tiles, cfg.num_splits))
     split = cfg.num_splits > 1 or partials is not None
@@ -665,6 +770,7 @@ def plan_sparse_mla(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx, s
              BLOCK_K=triton.next_power_of_2(max(idx.shape[2], 1)),
              E_BLOCK_K=triton.next_power_of_2(max(num_extra, 1)),
              INTERPRETED=not q.is_cuda, NUM_STAGES=cfg.num_stages, PREFETCH=cfg.prefetch,
+             IDX_ASM=cfg.idx_asm, KV_HALVES=cfg.kv_halves,
              LINE_ELEMS=128 // kv_elem_bytes, ROW_ELEMS=kv.shape[1],
              ROW_LINES=triton.next_power_of_2(triton.cdiv(kv.shape[1] * kv_elem_bytes, 128)),
              num_warps=cfg.num_warps, num_stages=cfg.num_stages),

@@ -246,13 +246,16 @@ def test_bad_input_raises_value_error_naming_the_argument(case):
 
 # ----------------------------------------------------------------------------- forced configs
 
-# (h_block, value-column blocks, block_n, num_warps, num_stages, prefetch): pick_config's defaults
-# (16 heads; 4 warps 2 stages for bf16, 8 warps 1 stage for FP8) and the bench's sweep shapes. The
-# interpreter skips the L2 prefetch hint (GPU-only inline PTX): prefetch > 0 here checks the plumbing
-# and the compiled path's tile loop bounds are the same code; test_l2_prefetch_cross_compiles checks
-# the PTX.
-FORCED = [(64, 2, 32, 8, 2, 0), (16, 1, 32, 8, 1, 0), (16, 1, 32, 4, 2, 0), (16, 1, 16, 8, 4, 4),
-          (16, 2, 64, 8, 1, 0), (64, 1, 16, 8, 3, 0)]
+# (h_block, value-column blocks, block_n, num_warps, num_stages, prefetch, idx_asm, kv_halves):
+# pick_config's defaults (16 heads; 4 warps 2 stages for bf16, 8 warps 1 stage for FP8) and the
+# bench's sweep shapes. The interpreter skips the L2 prefetch hint and the inline-asm index loads
+# (GPU-only PTX): prefetch > 0 and idx_asm here check the plumbing and the compiled path's tile loop
+# bounds are the same code; test_gpu_only_paths_cross_compile checks the PTX. kv_halves changes the
+# arithmetic (two column halves) and runs here.
+FORCED = [(64, 2, 32, 8, 2, 0, False, False), (16, 1, 32, 8, 1, 0, False, False),
+          (16, 1, 32, 4, 2, 0, False, False), (16, 1, 16, 8, 4, 4, False, False),
+          (16, 2, 64, 8, 1, 0, False, False), (64, 1, 16, 8, 3, 0, False, False),
+          (16, 1, 32, 4, 3, 0, True, True), (16, 1, 16, 8, 3, 0, True, True)]
 
 
 def forced_inputs(seed, fmt, layer, heads, extra_len):
@@ -265,16 +268,17 @@ def forced_inputs(seed, fmt, layer, heads, extra_len):
     return tuple(args)
 
 
-@pytest.mark.parametrize("cfg", FORCED, ids=lambda c: "h{}dv{}n{}w{}s{}p{}".format(*c))
+@pytest.mark.parametrize("cfg", FORCED, ids=lambda c: "h{}dv{}n{}w{}s{}p{}a{:d}k{:d}".format(*c))
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
 @pytest.mark.parametrize("layer, extra_len", [("csa", 40), ("hca", 33), ("csa", 0)])
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_forced_config_matches_reference(cfg, fmt, layer, extra_len, num_splits):
     """Each config on fresh inputs, heads not a multiple of h_block; tolerance: TOL (module doc)."""
-    h_block, dv_blocks, block_n, warps, stages, prefetch = cfg
+    h_block, dv_blocks, block_n, warps, stages, prefetch, idx_asm, kv_halves = cfg
     args = forced_inputs(hash(cfg) % 1000 + num_splits, fmt, layer, h_block + 3, extra_len)
     block_d = 128  # head_dim 96 (FP8 split 64 + 32) and the bf16 rows alike
-    config = LaunchConfig(h_block, block_d // dv_blocks, block_n, num_splits, warps, stages, prefetch)
+    config = LaunchConfig(h_block, block_d // dv_blocks, block_n, num_splits, warps, stages, prefetch, idx_asm,
+                          kv_halves)
     q = args[0]
     out = torch.full(q.shape, float("nan"), dtype=q.dtype)
     got = sparse_mla_triton(*args, out=out, config=config)
@@ -282,21 +286,21 @@ def test_forced_config_matches_reference(cfg, fmt, layer, extra_len, num_splits)
     assert torch.equal(got[1, 2], torch.zeros_like(got[1, 2]))
 
 
-@pytest.mark.parametrize("cfg", FORCED[:2] + FORCED[-2:], ids=lambda c: "h{}dv{}n{}w{}s{}p{}".format(*c))
+@pytest.mark.parametrize("cfg", FORCED[:2] + FORCED[-4:], ids=lambda c: "h{}dv{}n{}w{}s{}p{}a{:d}k{:d}".format(*c))
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
 def test_forced_config_partials_match_reference(cfg, fmt):
     """The split-K pass alone (dsv4::sparse_mla_partials' contract) under each config: every
     value-column block writes its columns, one writes the lse; splits own whole SPLIT_TILE runs
     of positions whatever block_n is (64 here too). f32 partials of bf16-exact rows
     with f32 dots on CPU: atol = rtol = 1e-4 (summation order and exp2 only)."""
-    h_block, dv_blocks, block_n, warps, stages, prefetch = cfg
+    h_block, dv_blocks, block_n, warps, stages, prefetch, idx_asm, kv_halves = cfg
     args = forced_inputs(7, fmt, "csa", h_block + 3, 40)
     q, kv, kv_scale, idx, ekv, esc, eidx, _, scale = args
     batch, tokens, heads, head_dim = q.shape
     splits = 3
     out = torch.full((batch, tokens, heads, splits, head_dim), float("nan"))
     lse = torch.full((batch, tokens, heads, splits), float("nan"))
-    config = LaunchConfig(h_block, 128 // dv_blocks, block_n, splits, warps, stages, prefetch)
+    config = LaunchConfig(h_block, 128 // dv_blocks, block_n, splits, warps, stages, prefetch, idx_asm, kv_halves)
     for launch in plan_sparse_mla(q, kv, kv_scale, idx, ekv, esc, eidx, None, scale, None, config=config,
                                   partials=(out, lse)):
         launch.kernel[launch.grid](*launch.args, **launch.meta)
@@ -309,6 +313,12 @@ def test_bad_value_column_block_raises():
     args = forced_inputs(0, "fp8", "csa", 4, 8)
     with pytest.raises(ValueError, match="block_dv"):
         sparse_mla_triton(*args, config=LaunchConfig(16, 32, 32, 1, 4, 1))  # FP8 needs multiples of 64
+
+
+def test_kv_halves_needs_all_value_columns():
+    args = forced_inputs(0, "bf16", "csa", 4, 8)
+    with pytest.raises(ValueError, match="kv_halves"):
+        sparse_mla_triton(*args, config=LaunchConfig(16, 64, 32, 1, 4, 2, kv_halves=True))
 
 
 @pytest.mark.parametrize("fp8_rows, want", [
@@ -341,18 +351,20 @@ from test_sparse_mla import forced_inputs
 print("module", bench.sm.__file__)
 for fmt in ("bf16", "fp8"):
     args = forced_inputs(0, fmt, "hca", 19, 40)
-    cfg = bench.sm.LaunchConfig(16, 128, 16, 1, 4, 2, prefetch=2)
-    launch = bench.sm.plan_sparse_mla(*args, out=torch.empty_like(args[0]), config=cfg)[0]
-    for cap in (90, 120):
-        compiled = bench.cross_compile(launch, cap)
-        print(fmt, cap, compiled.metadata.shared, compiled.asm["ptx"].count("prefetch.global.L2"))
+    for cfg, needle in ((bench.sm.LaunchConfig(16, 128, 16, 1, 4, 2, prefetch=2), "prefetch.global.L2"),
+                        (bench.sm.LaunchConfig(16, 128, 16, 1, 4, 3, idx_asm=True, kv_halves=True),
+                         "ld.global.nc.b32")):
+        launch = bench.sm.plan_sparse_mla(*args, out=torch.empty_like(args[0]), config=cfg)[0]
+        for cap in (90, 120):
+            compiled = bench.cross_compile(launch, cap)
+            print(fmt, cap, needle, compiled.metadata.shared, compiled.asm["ptx"].count(needle))
 """
 
 
-def test_l2_prefetch_cross_compiles_for_sm90_and_sm120():
-    """The prefetch hint is inline PTX the interpreter never runs: compile it (no GPU needed, in a
-    process without TRITON_INTERPRET) for both targets; it must emit L2 prefetches and stay within
-    sm_120's 101,376 B of shared memory."""
+def test_gpu_only_paths_cross_compile_for_sm90_and_sm120():
+    """The L2 prefetch hint and the inline-asm index loads are PTX the interpreter never runs:
+    compile them (no GPU needed, in a process without TRITON_INTERPRET) for both targets; they must
+    emit their instructions and stay within sm_120's 101,376 B of shared memory."""
     import os
     import subprocess
     import sys
@@ -367,7 +379,8 @@ def test_l2_prefetch_cross_compiles_for_sm90_and_sm120():
     first, *rest = done.stdout.splitlines()
     assert first == f"module {sparse_mla_module.__file__}"
     lines = [line.split() for line in rest]
-    assert sorted((fmt, cap) for fmt, cap, _, _ in lines) == [("bf16", "120"), ("bf16", "90"),
-                                                              ("fp8", "120"), ("fp8", "90")]
-    for _, _, shared, prefetches in lines:
-        assert int(shared) <= 101_376 and int(prefetches) > 0
+    assert sorted((fmt, cap, needle) for fmt, cap, needle, _, _ in lines) == sorted(
+        (fmt, cap, needle) for fmt in ("bf16", "fp8") for cap in ("90", "120")
+        for needle in ("prefetch.global.L2", "ld.global.nc.b32"))
+    for _, _, _, shared, count in lines:
+        assert int(shared) <= 101_376 and int(count) > 0
