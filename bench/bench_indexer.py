@@ -257,6 +257,8 @@ SELECT_CONFIGS = (
     dict(chunk=4096, select_warps=8),
     dict(chunk=1024),
     dict(select_programs=16),  # one program per chunk at 128K (2048-slot chunks)
+    dict(scale_ahead=True),  # scales a page ahead, ids two (first use behind a barrier)
+    dict(scale_ahead=True, pin_ids=False),
 )
 
 
@@ -329,6 +331,7 @@ def sweep_select(mod, bench, device, heads, dim, max_pages, topk, smoke) -> str:
 # ptxas cannot build (a register cap below what it needs) is recorded as such.
 _DEFAULT_SCORE = dict(stats=False, max_regs=None, id_ahead=True, num_warps=None, num_stages=3,
                       mult=1)
+_SCALE_AHEAD = dict(_DEFAULT_SCORE, scale_ahead=True, pin_ids=True)
 SCORE_CONFIGS = (
     _DEFAULT_SCORE,
     dict(stats=False, max_regs=0, id_ahead=False, num_warps=None, num_stages=2, mult=1),
@@ -336,6 +339,11 @@ SCORE_CONFIGS = (
     dict(_DEFAULT_SCORE, id_ahead=False, num_stages=2),
     dict(_DEFAULT_SCORE, stats=True),
     dict(_DEFAULT_SCORE, max_regs=0),
+    _SCALE_AHEAD,
+    dict(_SCALE_AHEAD, pin_ids=False),
+    dict(_SCALE_AHEAD, num_stages=2),
+    dict(_SCALE_AHEAD, num_stages=4),
+    dict(_SCALE_AHEAD, mult=2),
 ) + tuple(dict(_DEFAULT_SCORE, num_warps=warps, num_stages=stages, mult=mult)
           for warps in (4, 8) for stages in (2, 3, 4) for mult in (1, 2))
 

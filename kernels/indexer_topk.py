@@ -45,6 +45,17 @@ FP8_SCORE_MAX_REGS = {4: 72, 8: 128}
 # The scoring loop loads the next page's id while it scores the current page (the sm_90 TTGIR
 # of the plain loop loads it right before the next page's key copy, exposing its latency).
 DEFAULT_ID_AHEAD = True
+# Whether the scoring loop loads the next page's key scales while it scores the current page
+# (ids then go two pages ahead). Off, the sm_90 SASS (B=64, H=64, fp8, T=1 and 4) issues the
+# scale load in the iteration that uses it (Triton's pipeliner only buffers loads that feed a
+# dot) and, at T=1, moves each loaded id to a uniform register right after its load: two
+# waits a page. On, every load of the loop is first used in the next iteration, 140-250
+# instructions later. Not yet timed on the GPU (bench_indexer.py --sweep / --sweep-score).
+DEFAULT_SCALE_AHEAD = False
+# With SCALE_AHEAD, the first use of each loaded page id comes after a CTA barrier: without it
+# ptxas may hoist that use to the top of the next step, right behind the id load (at T=4 it
+# does: 21 instructions of cover instead of 244).
+DEFAULT_PIN_IDS = True
 # Key pages in flight per scoring program with fp8 dots, minus one (2: one page loads while one
 # is scored); without the id loaded ahead, Triton's pipeliner cannot buffer more than one page.
 # Other dots keep 2 stages: their bf16 query tile leaves no shared memory for a third at T=4.
@@ -173,31 +184,44 @@ def _score_and_store(q_cols, w_cols, keys, scale, ws_ptr, stats_ptr, b, t0, T, p
 
 
 @triton.jit
-def _page_id(pt_ptr, b, page, n_pages, spt_b, spt_j):
-    """Physical id of logical page `page` of request b (0, unread, from n_pages on)."""
-    return tl.load(pt_ptr + b * spt_b + page * spt_j, mask=page < n_pages, other=0)
+def _page_id(pt_ptr, b, page, n_pages, spt_b, spt_j, PAST: tl.constexpr = 0):
+    """Physical id of logical page `page` of request b (PAST, unread, from n_pages on)."""
+    return tl.load(pt_ptr + b * spt_b + page * spt_j, mask=page < n_pages, other=PAST)
 
 
 @triton.jit
-def _score_page(page, phys, lens0, q_cols, w_cols, q_ptr, w_ptr, k_ptr, ks_ptr, lens_ptr, ws_ptr,
-                stats_ptr, b, T, H, D, P, S_MAX, N_PAGES,
+def _page_scale(ks_ptr, phys, P, sks_p, sks_s, PAGE: tl.constexpr, HAS_SCALE: tl.constexpr):
+    """Key scales [PAGE] f32 of physical page `phys` (0 for an invalid id; zeros without
+    scales)."""
+    scale = tl.zeros((PAGE,), tl.float32)
+    if HAS_SCALE:
+        page_ok = (phys >= 0) & (phys < P)
+        phys = tl.where(page_ok, phys, 0).to(tl.int64)
+        scale = tl.load(ks_ptr + phys * sks_p + tl.arange(0, PAGE) * sks_s, mask=page_ok,
+                        other=0.0).to(tl.float32)
+    return scale
+
+
+@triton.jit
+def _score_page(page, phys, scale, lens0, q_cols, w_cols, q_ptr, w_ptr, k_ptr, ks_ptr,
+                lens_ptr, ws_ptr, stats_ptr, b, T, H, D, P, S_MAX, N_PAGES,
                 sq_b, sq_t, sq_h, sq_d, sw_b, sw_t, sw_h,
                 sk_p, sk_s, sk_d, sks_p, sks_s, sl_b, sl_t,
                 N_TBLOCKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
                 BLOCK_D: tl.constexpr, PAGE: tl.constexpr, HAS_SCALE: tl.constexpr,
-                DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, STATS: tl.constexpr):
+                DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, STATS: tl.constexpr,
+                SCALE_LOADED: tl.constexpr):
     """Read logical page `page` (physical id `phys`) of request b once and score it for all
-    T tokens (lens0: the first token block's clamped lens)."""
+    T tokens (lens0: the first token block's clamped lens); with SCALE_LOADED, `scale` holds
+    the page's key scales (`_page_scale`), else they are loaded here."""
     slot_in_page = tl.arange(0, PAGE)
     d = tl.arange(0, BLOCK_D)
     page_ok = (phys >= 0) & (phys < P)  # only an unchecked (captured) call can fail this
-    phys = tl.where(page_ok, phys, 0).to(tl.int64)
-    k_ptrs = k_ptr + phys * sk_p + slot_in_page[:, None] * sk_s + d[None, :] * sk_d
+    k_ptrs = (k_ptr + tl.where(page_ok, phys, 0).to(tl.int64) * sk_p
+              + slot_in_page[:, None] * sk_s + d[None, :] * sk_d)
     keys = tl.load(k_ptrs, mask=page_ok & (d[None, :] < D), other=0.0).to(DOT_DTYPE)
-    scale = tl.zeros((PAGE,), tl.float32)
-    if HAS_SCALE:
-        scale = tl.load(ks_ptr + phys * sks_p + slot_in_page * sks_s, mask=page_ok,
-                        other=0.0).to(tl.float32)
+    if not SCALE_LOADED:
+        scale = _page_scale(ks_ptr, phys, P, sks_p, sks_s, PAGE, HAS_SCALE)
     if N_TBLOCKS == 1:
         _score_and_store(q_cols, w_cols, keys, scale, ws_ptr, stats_ptr, b, 0, T, page,
                          lens0, S_MAX, N_PAGES, BLOCK_T, BLOCK_H, PAGE,
@@ -214,6 +238,36 @@ def _score_page(page, phys, lens0, q_cols, w_cols, q_ptr, w_ptr, k_ptr, ks_ptr, 
 
 
 @triton.jit
+def _after_cta_barrier(x, PIN: tl.constexpr):
+    """x (int32), passed through a CTA barrier (`bar.red.or`) that the compilers cannot see
+    through: an operation that takes the result in cannot move above the barrier. Pure for
+    Triton's pipeliner (which cannot predicate other inline asm); x keeps it in the loop.
+    Without PIN (and in the interpreter, which has no asm) x itself."""
+    if PIN:
+        x = tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .u32 z; setp.ne.u32 p, $1, $1; bar.red.or.pred p, 0, p; "
+            "selp.u32 z, 1, 0, p; or.b32 $0, $1, z; }",
+            "=r,r", [x], dtype=tl.int32, is_pure=True, pack=1)
+    return x
+
+
+@triton.jit
+def _ids_ahead(pt_ptr, ks_ptr, b, page, n_pages, SPLITS, P, spt_b, spt_j, sks_p, sks_s, nxt2,
+               PAGE: tl.constexpr, HAS_SCALE: tl.constexpr, PIN: tl.constexpr):
+    """End of a SCALE_AHEAD step at logical page `page`: (the next page's id, the page after
+    it's id, the next page's scales). nxt2, the next page's id, was loaded a step earlier."""
+    # With PIN the first use of nxt2 comes after a barrier: ptxas would otherwise hoist it to
+    # the top of the loop body, where it waits for the id load issued at the previous step's end.
+    nxt2 = _after_cta_barrier(nxt2, PIN)
+    # Not a plain copy of nxt2 (Triton's pipeliner skips loops that carry a value for two
+    # iterations, a yield of a loop argument): -1 (nothing read) for an invalid id and past
+    # the last page (-1 from the id load).
+    nxt = tl.where((nxt2 >= 0) & (nxt2 < P), nxt2, -1)
+    nxt2 = _page_id(pt_ptr, b, page + 2 * SPLITS, n_pages, spt_b, spt_j, -1)
+    return nxt, nxt2, _page_scale(ks_ptr, nxt, P, sks_p, sks_s, PAGE, HAS_SCALE)
+
+
+@triton.jit
 def _score_pages_kernel(
     q_ptr, w_ptr, k_ptr, ks_ptr, pt_ptr, lens_ptr, ws_ptr, stats_ptr,
     T, H, D, P, S_MAX, N_PAGES, SPLITS, TOPK,
@@ -222,7 +276,7 @@ def _score_pages_kernel(
     N_TBLOCKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr, PAGE: tl.constexpr, HAS_SCALE: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, FOR_LOOPS: tl.constexpr,
-    STATS: tl.constexpr, ID_AHEAD: tl.constexpr,
+    STATS: tl.constexpr, ID_AHEAD: tl.constexpr, SCALE_AHEAD: tl.constexpr, PIN_IDS: tl.constexpr,
 ):
     b = tl.program_id(0)
     split = tl.program_id(1)
@@ -242,35 +296,50 @@ def _score_pages_kernel(
                                               sq_d, sw_b, sw_t, sw_h, BLOCK_T, BLOCK_H, BLOCK_D,
                                               DOT_DTYPE)
         # With ID_AHEAD the next page's id is loaded while this page is scored, so the
-        # pipelined key load for the next page does not first wait for its id.
+        # pipelined key load for the next page does not first wait for its id. With
+        # SCALE_AHEAD the next page's scales are loaded too, from its id loaded a page earlier
+        # (ids two pages ahead: nxt is this page's id, nxt2 the next one's).
         nxt = _page_id(pt_ptr, b, split, n_pages, spt_b, spt_j)
+        nxt2 = nxt
+        nxt_scale = tl.zeros((PAGE,), tl.float32)
+        if SCALE_AHEAD:
+            nxt2 = _page_id(pt_ptr, b, split + SPLITS, n_pages, spt_b, spt_j, -1)
+            nxt_scale = _page_scale(ks_ptr, nxt, P, sks_p, sks_s, PAGE, HAS_SCALE)
         if FOR_LOOPS:  # software-pipelined on the GPU
             for page in range(split, n_pages, SPLITS):
-                if ID_AHEAD:
-                    phys = nxt
+                phys = nxt
+                if ID_AHEAD and not SCALE_AHEAD:
                     nxt = _page_id(pt_ptr, b, page + SPLITS, n_pages, spt_b, spt_j)
-                else:
+                elif not ID_AHEAD:
                     phys = _page_id(pt_ptr, b, page, n_pages, spt_b, spt_j)
-                _score_page(page, phys, lens0, q_cols, w_cols, q_ptr, w_ptr, k_ptr, ks_ptr,
-                            lens_ptr, ws_ptr, stats_ptr, b, T, H, D, P, S_MAX, N_PAGES,
+                _score_page(page, phys, nxt_scale, lens0, q_cols, w_cols, q_ptr, w_ptr, k_ptr,
+                            ks_ptr, lens_ptr, ws_ptr, stats_ptr, b, T, H, D, P, S_MAX, N_PAGES,
                             sq_b, sq_t, sq_h, sq_d, sw_b, sw_t, sw_h,
                             sk_p, sk_s, sk_d, sks_p, sks_s, sl_b, sl_t,
                             N_TBLOCKS, BLOCK_T, BLOCK_H, BLOCK_D, PAGE, HAS_SCALE, DOT_DTYPE,
-                            PRECISION, STATS)
+                            PRECISION, STATS, SCALE_AHEAD)
+                if SCALE_AHEAD:  # after this page's epilogue, in the registers it freed
+                    nxt, nxt2, nxt_scale = _ids_ahead(pt_ptr, ks_ptr, b, page, n_pages, SPLITS, P,
+                                                      spt_b, spt_j, sks_p, sks_s, nxt2, PAGE,
+                                                      HAS_SCALE, PIN_IDS)
         else:  # the interpreter (numpy >= 2.4) cannot take its 1-element tensors as range()
             page = split
             while page < n_pages:
-                if ID_AHEAD:
-                    phys = nxt
+                phys = nxt
+                if ID_AHEAD and not SCALE_AHEAD:
                     nxt = _page_id(pt_ptr, b, page + SPLITS, n_pages, spt_b, spt_j)
-                else:
+                elif not ID_AHEAD:
                     phys = _page_id(pt_ptr, b, page, n_pages, spt_b, spt_j)
-                _score_page(page, phys, lens0, q_cols, w_cols, q_ptr, w_ptr, k_ptr, ks_ptr,
-                            lens_ptr, ws_ptr, stats_ptr, b, T, H, D, P, S_MAX, N_PAGES,
+                _score_page(page, phys, nxt_scale, lens0, q_cols, w_cols, q_ptr, w_ptr, k_ptr,
+                            ks_ptr, lens_ptr, ws_ptr, stats_ptr, b, T, H, D, P, S_MAX, N_PAGES,
                             sq_b, sq_t, sq_h, sq_d, sw_b, sw_t, sw_h,
                             sk_p, sk_s, sk_d, sks_p, sks_s, sl_b, sl_t,
                             N_TBLOCKS, BLOCK_T, BLOCK_H, BLOCK_D, PAGE, HAS_SCALE, DOT_DTYPE,
-                            PRECISION, STATS)
+                            PRECISION, STATS, SCALE_AHEAD)
+                if SCALE_AHEAD:  # after this page's epilogue, in the registers it freed
+                    nxt, nxt2, nxt_scale = _ids_ahead(pt_ptr, ks_ptr, b, page, n_pages, SPLITS, P,
+                                                      spt_b, spt_j, sks_p, sks_s, nxt2, PAGE,
+                                                      HAS_SCALE, PIN_IDS)
                 page += SPLITS
 
 
@@ -321,6 +390,8 @@ def indexer_scores_triton(
     block_stats: torch.Tensor | None = None,
     max_regs: int | None = None,
     id_ahead: bool = DEFAULT_ID_AHEAD,
+    scale_ahead: bool = DEFAULT_SCALE_AHEAD,
+    pin_ids: bool = DEFAULT_PIN_IDS,
 ):
     """Launch the scoring kernel; returns (workspace [B, T, max_pages * 64] f32, the kernel).
 
@@ -335,7 +406,9 @@ def indexer_scores_triton(
     that page (the `block_stats` of kernels/topk_select.py); other entries are left unwritten.
     `max_regs` caps the registers a thread (default FP8_SCORE_MAX_REGS by warps for fp8 dots,
     else none; 0: no cap);
-    `id_ahead` loads each next page's id one page ahead.
+    `id_ahead` loads each next page's id one page ahead; `scale_ahead` each next page's key
+    scales one page ahead (and the ids two; `id_ahead` is then ignored), `pin_ids` keeps the
+    ids' first use below a barrier (DEFAULT_PIN_IDS).
     """
     batch, tokens, heads, head_dim = q.shape
     max_pages = page_table.shape[1]
@@ -364,7 +437,8 @@ def indexer_scores_triton(
         N_TBLOCKS=triton.cdiv(tokens, block_t), BLOCK_T=block_t, BLOCK_H=block_h,
         BLOCK_D=triton.next_power_of_2(head_dim), PAGE=PAGE_SIZE, HAS_SCALE=has_scale,
         DOT_DTYPE=dot_dtype, PRECISION=precision, FOR_LOOPS=q.is_cuda,
-        STATS=block_stats is not None, ID_AHEAD=id_ahead, num_warps=warps, num_stages=stages,
+        STATS=block_stats is not None, ID_AHEAD=id_ahead,
+        SCALE_AHEAD=scale_ahead, PIN_IDS=pin_ids and q.is_cuda, num_warps=warps, num_stages=stages,
         maxnreg=max_regs or None,
     )
     return workspace, kernel
@@ -391,6 +465,8 @@ def indexer_topk_triton(
     score_stages: int | None = None,
     score_max_regs: int | None = None,
     id_ahead: bool = DEFAULT_ID_AHEAD,
+    scale_ahead: bool = DEFAULT_SCALE_AHEAD,
+    pin_ids: bool = DEFAULT_PIN_IDS,
 ) -> tuple[torch.Tensor, list]:
     """Launch the scoring and selection kernels; returns (idx [B, T, topk] int32, the kernels).
 
@@ -403,7 +479,8 @@ def indexer_topk_triton(
     `select_programs` its programs per row (default `programs_per_row`);
     `fuse_stats` has the scoring kernel write each page's score statistics for the selection
     (which then skips its own statistics pass); `score_warps`, `score_stages`,
-    `score_max_regs` and `id_ahead` override the scoring kernel's launch config.
+    `score_max_regs`, `id_ahead`, `scale_ahead` and `pin_ids` override the scoring kernel's
+    launch config.
     """
     batch, tokens = q.shape[:2]
     if out is None:
@@ -418,7 +495,8 @@ def indexer_topk_triton(
                                              topk, splits=splits, workspace=workspace,
                                              num_warps=score_warps, num_stages=score_stages,
                                              block_stats=stats, max_regs=score_max_regs,
-                                             id_ahead=id_ahead)
+                                             id_ahead=id_ahead, scale_ahead=scale_ahead,
+                                             pin_ids=pin_ids)
     select = select_topk_triton(workspace, lens, topk, out, chunk=chunk, num_warps=select_warps,
                                 split_block=split_block, programs=select_programs,
                                 block_stats=stats)

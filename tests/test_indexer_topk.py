@@ -76,11 +76,12 @@ def indexer_cases(draw):
     split_block = draw(st.sampled_from([16, mod.DEFAULT_SPLIT_BLOCK]))
     fuse_stats = draw(st.booleans())
     id_ahead = draw(st.booleans())
+    scale_ahead = draw(st.booleans())
     seed = draw(st.integers(0, 2**31 - 1))
     return dict(batch=batch, tokens=tokens, heads=heads, dim=dim, max_pages=max_pages,
                 pages=pages, topk=topk, lens=lens, q_dtype=q_dtype, k_dtype=k_dtype,
                 strided_q=strided_q, chunk=chunk, split_block=split_block,
-                fuse_stats=fuse_stats, id_ahead=id_ahead, seed=seed)
+                fuse_stats=fuse_stats, id_ahead=id_ahead, scale_ahead=scale_ahead, seed=seed)
 
 
 def build(case):
@@ -111,7 +112,8 @@ def test_kernel_matches_reference(case):
     workspace = torch.full((b, t, slots), float("nan"))  # unwritten scores must not be read
     idx, _ = mod.indexer_topk_triton(*args, topk, out=out, workspace=workspace,
                                      chunk=case["chunk"], split_block=case["split_block"],
-                                     fuse_stats=case["fuse_stats"], id_ahead=case["id_ahead"])
+                                     fuse_stats=case["fuse_stats"], id_ahead=case["id_ahead"],
+                                     scale_ahead=case["scale_ahead"])
     assert idx.data_ptr() == out.data_ptr()
     scores = mod.indexer_scores_reference(*args)
     assert_topk_valid(idx, scores, args[5], topk)
@@ -120,9 +122,9 @@ def test_kernel_matches_reference(case):
     assert_topk_valid(mod.indexer_topk_reference(*args, topk), scores, args[5], topk)
 
 
-@pytest.mark.parametrize("id_ahead", [True, False])
+@pytest.mark.parametrize("id_ahead, scale_ahead", [(True, False), (False, False), (True, True)])
 @given(st.integers(0, 2**31 - 1), st.sampled_from([FP8, torch.bfloat16, torch.float32]))
-def test_scores_match_reference(id_ahead, seed, k_dtype):
+def test_scores_match_reference(id_ahead, scale_ahead, seed, k_dtype):
     """The scoring kernel writes the reference scores for s < lens on the pages it reads, and
     reads no page for a request whose tokens all have lens <= topk; so are the per-page
     statistics of those scores."""
@@ -132,7 +134,8 @@ def test_scores_match_reference(id_ahead, seed, k_dtype):
     args = build(case)
     ws = torch.full((3, 2, 3 * PAGE), float("nan"))
     stats = torch.full((6, 3, 4), float("nan"))
-    mod.indexer_scores_triton(*args, 10, workspace=ws, block_stats=stats, id_ahead=id_ahead)
+    mod.indexer_scores_triton(*args, 10, workspace=ws, block_stats=stats, id_ahead=id_ahead,
+                              scale_ahead=scale_ahead)
     ref = mod.indexer_scores_reference(*args)
     ref_stats = block_stats_reference(torch.where(torch.isfinite(ref), ref, 0.0), args[5])
     for (b, t), n in {(0, 0): 192, (0, 1): 70, (1, 0): 5, (1, 1): 150}.items():
@@ -161,9 +164,10 @@ def test_many_tokens_share_each_page():
     assert_topk_valid(idx, mod.indexer_scores_reference(*args), args[5], 20)
 
 
+@pytest.mark.parametrize("scale_ahead", [True, False])
 @pytest.mark.parametrize("chunk", [mod.DEFAULT_CHUNK, 16])
 @pytest.mark.parametrize("k_dtype", [FP8, torch.bfloat16])
-def test_pages_past_the_length_are_never_read(k_dtype, chunk):
+def test_pages_past_the_length_are_never_read(k_dtype, chunk, scale_ahead):
     """NaN in every physical page no valid logical page references, in the slots of the last
     valid page past the length, and out-of-range ids past the valid pages: same answer (with
     16-slot chunks, the rows span up to 10 chunk programs)."""
@@ -177,7 +181,7 @@ def test_pages_past_the_length_are_never_read(k_dtype, chunk):
     page_table = torch.randperm(pages, generator=gen)[: batch * max_pages]
     page_table = page_table.view(batch, max_pages).to(torch.int32)
     clean = mod.indexer_topk_triton(q, weights, k_cache, k_scale, page_table, lens, topk,
-                                    chunk=chunk)[0]
+                                    chunk=chunk, scale_ahead=scale_ahead)[0]
     assert_topk_valid(clean, mod.indexer_scores_reference(
         q, weights, k_cache, k_scale, page_table, lens), lens, topk)
 
@@ -193,7 +197,7 @@ def test_pages_past_the_length_are_never_read(k_dtype, chunk):
     page_table[0, 3:] = pages + 1000
     page_table[1, 1:] = -5
     poisoned = mod.indexer_topk_triton(q, weights, k_cache, k_scale, page_table, lens, topk,
-                                       chunk=chunk)[0]
+                                       chunk=chunk, scale_ahead=scale_ahead)[0]
     assert torch.equal(poisoned, clean)
     assert torch.equal(torch.ops.dsv4.indexer_topk(q, weights, k_cache, k_scale, page_table,
                                                    lens, topk), clean)
