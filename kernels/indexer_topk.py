@@ -50,8 +50,10 @@ DEFAULT_ID_AHEAD = True
 # scale load in the iteration that uses it (Triton's pipeliner only buffers loads that feed a
 # dot) and, at T=1, moves each loaded id to a uniform register right after its load: two
 # waits a page. On, every load of the loop is first used in the next iteration, 140-250
-# instructions later. Not yet timed on the GPU (bench_indexer.py --sweep / --sweep-score).
-DEFAULT_SCALE_AHEAD = False
+# instructions later. H200 (bench_indexer.py --sweep, B=64, 128K, fp8, bench/RESULTS.md "Sixth
+# session"): T=1 116.3 us vs 121.0 off, T=4 270.6 vs 271.1; scoring alone (--sweep-score) 78.0 vs
+# 81.8 and 176.6 vs 180.1 (with pin_ids; 79.9 / 210.9 without).
+DEFAULT_SCALE_AHEAD = True
 # With SCALE_AHEAD, the first use of each loaded page id comes after a CTA barrier: without it
 # ptxas may hoist that use to the top of the next step, right behind the id load (at T=4 it
 # does: 21 instructions of cover instead of 244).

@@ -662,8 +662,8 @@ def split_count(programs: int, num_idx_total: int, device: torch.device, num_spl
 # num_stages, prefetch, max_splits (0: the split-K heuristic uncapped), idx_asm, kv_halves), as in
 # the bench's SWEEP_CONFIGS.
 DEFAULT_TILES = {
-    "bf16": (16, 0, 32, 4, 2, 0, 0, False, False),
-    "fp8": (16, 0, 32, 8, 1, 0, 0, False, False),
+    "bf16": (16, 0, 32, 4, 3, 0, 0, True, True),
+    "fp8": (16, 0, 32, 8, 1, 0, 0, False, True),
 }
 
 
@@ -672,18 +672,23 @@ def pick_config(batch: int, tokens: int, heads: int, head_dim: int, num_idx_tota
     """The launch config for these shapes: DEFAULT_TILES of the row format (16 heads of one token a
     program, all value columns).
 
-    H200 sweep at B=64, H=64, Dh 512 (bench/bench_sparse_mla.py --sweep, bench/RESULTS.md "Fifth
-    session", with the gather of the next tile in flight): bf16 rows, 16 heads x 512 columns,
-    BLOCK_N 32, 4 warps, 2 stages (50,432 B of shared memory) stayed the fastest: CSA T=1 61.1 us
-    vs 73.5 for 64 heads in one program (wgmma), 76.8 with 3 stages, 107.7 with BLOCK_N 16 (3
-    blocks an SM) and 139.6 with 8 warps. FP8 rows: 8 warps, 1 stage (81,920 B): the in-register
-    dequantisation spills with more heads or stages. Small grids split the index positions
+    H200 sweeps at B=64, H=64, Dh 512, CSA (bench/bench_sparse_mla.py --sweep, bench/RESULTS.md
+    "Fifth session" and "Sixth session"): bf16 rows, 16 heads x 512 columns, BLOCK_N 32, 4 warps, 3
+    stages, index loads outside the pipeliner (idx_asm, so the next tile's gather stays in flight)
+    and two 256-column halves (kv_halves, two shorter QK chains): T=1 52.3 us, T=4 182.6 (61.8 /
+    209.3 without either, 2 stages; 70.6 / 255.2 on 8 warps; fifth session: 73.5 for 64 heads in
+    one program (wgmma), 107.7 with BLOCK_N 16). FP8 rows: 8 warps, 1 stage (81,920 B), kv_halves:
+    155.7 / 567.2 us (186.5 / 697.3 without; the in-register dequantisation spills with more heads
+    or stages). Small grids split the index positions
     (split-K) so that about two programs run per SM.
     """
     tiles = DEFAULT_TILES["fp8" if fp8_rows else "bf16"]
     h_block, block_dv, block_n, num_warps, num_stages, prefetch, max_splits, idx_asm, kv_halves = tiles
     block_d = triton.next_power_of_2(head_dim)
     block_dv = min(block_dv or block_d, block_d)
+    # Halves of at least 32 columns (a tl.dot reduction of 16 or more per MMA k-step pair), and
+    # whole 64-dim scale groups for FP8 rows.
+    kv_halves = kv_halves and block_dv == block_d and block_d >= 64 and not (fp8_rows and block_d % (2 * SCALE_GROUP))
     programs = batch * tokens * triton.cdiv(heads, h_block) * (block_d // block_dv)
     num_splits = split_count(programs, num_idx_total, device, num_splits, max_splits or None)
     return LaunchConfig(h_block, block_dv, block_n, num_splits, num_warps, num_stages, prefetch, idx_asm, kv_halves)

@@ -322,13 +322,13 @@ def test_kv_halves_needs_all_value_columns():
 
 
 @pytest.mark.parametrize("fp8_rows, want", [
-    (False, (16, 512, 4, 2)),  # bf16 rows: 2 stages, 50,304 B on sm_90 and sm_120
-    (True, (16, 512, 8, 1)),   # FP8 rows: 1 stage, 81,920 B, no spills
+    (False, (16, 512, 4, 3, True, True)),  # bf16 rows: 3 stages, index loads in asm, two halves; 82,944 B
+    (True, (16, 512, 8, 1, False, True)),  # FP8 rows: 1 stage, two halves, 81,920 B, no spills
 ])
 def test_pick_config_at_real_size(fp8_rows, want):
     """B=64, T=1, H=64, Dh=512, window 128 + top-k 512: the documented choice."""
     cfg = pick_config(64, 1, 64, 512, 640, torch.device("cpu"), fp8_rows=fp8_rows)
-    assert (cfg.h_block, cfg.block_dv, cfg.num_warps, cfg.num_stages) == want
+    assert (cfg.h_block, cfg.block_dv, cfg.num_warps, cfg.num_stages, cfg.idx_asm, cfg.kv_halves) == want
     assert cfg.num_splits >= 1 and cfg.block_n == 32
 
 
