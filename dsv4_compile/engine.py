@@ -209,8 +209,9 @@ def optimize(model: nn.Module, *, max_batch: int = 8, max_context: int = 4096, v
     verify_tokens is the most draft tokens one verify step checks (0: no speculative decoding).
     compile=False runs the same step eagerly (the reference the compiled step is tested against).
     passes: the dsv4 pass modules to apply (default: all, `PASS_MODULES`); () compiles plain inductor.
-    tile_experts: move the model's Fp4Experts weights to the tiled layout in place (where their
-    sizes split into tiles; `tile_fp4_experts_`), which the FP4 MoE kernels read faster.
+    tile_experts: move the model's FP4 expert weights to the tiled layout in place (where their
+    sizes split into tiles; transformers' FP4 FP8Experts are replaced by Fp4Experts for it; see
+    `tile_fp4_experts_`), which the FP4 MoE kernels read faster.
     """
     from transformers import DeepseekV4ForCausalLM
 

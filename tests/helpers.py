@@ -1,4 +1,5 @@
 """Shared test helpers: prompts, transformers' greedy reference, and a step recorder."""
+import inspect
 import types
 
 import torch
@@ -170,3 +171,25 @@ def large_sparse_mla_inputs(heads: int, device: str, gen: torch.Generator) -> tu
     extra_idx[0, 1, ::3] = -1
     sink = torch.randn(heads, generator=gen, device=device)
     return q, kv, None, idx, extra_kv, None, extra_idx, sink, head_dim ** -0.5
+
+
+def transformers_fp4_experts(config, scale_fmt: str, seed: int):
+    """A transformers FP8Experts module holding FP4 experts for `config` (random N(0, 1) weights
+    quantised to MXFP4; scales as e8m0 for scale_fmt "ue8m0", else as f32 powers of two)."""
+    from transformers.integrations.finegrained_fp8 import FP8Experts
+
+    # transformers 5.17 reads the expert dtype from the config; later releases take an argument.
+    if "expert_dtype" in inspect.signature(FP8Experts.__init__).parameters:
+        module = FP8Experts(config, scale_fmt=scale_fmt, expert_dtype="fp4")
+    else:
+        config.expert_dtype = "fp4"
+        module = FP8Experts(config, scale_fmt=scale_fmt)
+    gen = torch.Generator().manual_seed(seed)
+    for proj in ("gate_up_proj", "down_proj"):
+        weight = getattr(module, proj)
+        dense = torch.randn(weight.shape[:-1] + (2 * weight.shape[-1],), generator=gen)
+        packed, scale = fp4.quantize_mxfp4(dense)
+        weight.data.copy_(packed.view(torch.int8))
+        target = getattr(module, proj + "_scale_inv")
+        target.data.copy_(scale.view(target.dtype) if scale_fmt == "ue8m0" else fp4.ue8m0_to_float(scale))
+    return module

@@ -1,5 +1,4 @@
 """FP4 formats: e2m1 coding, MXFP4/NVFP4 round trips, and the transformers FP4 expert layout."""
-import inspect
 
 import pytest
 import torch
@@ -7,6 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dsv4_compile import fp4
+from helpers import transformers_fp4_experts
 
 
 def _half_step(mag: torch.Tensor) -> torch.Tensor:
@@ -104,24 +104,9 @@ def test_quantize_errors():
 def _tiny_fp4_experts(scale_fmt: str):
     """A transformers FP8Experts module with FP4 experts (E=3, hidden 64, intermediate 32)."""
     from transformers import DeepseekV4Config
-    from transformers.integrations.finegrained_fp8 import FP8Experts
 
     config = DeepseekV4Config(hidden_size=64, intermediate_size=32, num_local_experts=3)
-    # transformers 5.17 reads the expert dtype from the config; later releases take an argument.
-    if "expert_dtype" in inspect.signature(FP8Experts.__init__).parameters:
-        module = FP8Experts(config, scale_fmt=scale_fmt, expert_dtype="fp4")
-    else:
-        config.expert_dtype = "fp4"
-        module = FP8Experts(config, scale_fmt=scale_fmt)
-    gen = torch.Generator().manual_seed(0)
-    for proj in ("gate_up_proj", "down_proj"):
-        weight = getattr(module, proj)
-        dense = torch.randn(weight.shape[:-1] + (2 * weight.shape[-1],), generator=gen)
-        packed, scale = fp4.quantize_mxfp4(dense)
-        weight.data.copy_(packed.view(torch.int8))
-        target = getattr(module, proj + "_scale_inv")
-        target.data.copy_(scale.view(target.dtype) if scale_fmt == "ue8m0" else fp4.ue8m0_to_float(scale))
-    return module
+    return transformers_fp4_experts(config, scale_fmt, seed=0)
 
 
 @pytest.mark.parametrize("scale_fmt", ["ue8m0", "float"])

@@ -74,3 +74,26 @@ def test_optimize_tiles_experts_in_place(fmt):
     quantize_experts_(small, fmt)
     dsv4_compile.optimize(small, max_batch=2, max_context=256, compile=False)
     assert not any(layer.mlp.experts.tiled for model_ in (kept, small) for layer in model_.model.layers)
+
+
+def test_optimize_tiles_transformers_fp4_experts():
+    """transformers' own FP4 FP8Experts whose sizes split into tiles become tiled Fp4Experts at
+    optimize(): the step generates the tokens the row-major views give (tile_experts=False keeps
+    the FP8Experts, read through views)."""
+    from transformers.integrations.finegrained_fp8 import FP8Experts
+
+    from helpers import transformers_fp4_experts
+
+    models = []
+    for _ in range(2):
+        model = tiny_model(seed=7, hidden_size=128, moe_intermediate_size=128)
+        for index, layer in enumerate(model.model.layers):
+            layer.mlp.experts = transformers_fp4_experts(model.config, "ue8m0", seed=index)
+        models.append(model)
+    kept = dsv4_compile.optimize(models[0], max_batch=2, max_context=256, compile=False, tile_experts=False)
+    tiled = dsv4_compile.optimize(models[1], max_batch=2, max_context=256, compile=False)
+    assert all(isinstance(layer.mlp.experts, FP8Experts) for layer in models[0].model.layers)
+    assert all(isinstance(layer.mlp.experts, Fp4Experts) and layer.mlp.experts.tiled
+               for layer in models[1].model.layers)
+    prompts = make_prompts((21, 9), models[0].config.vocab_size, seed=7)
+    assert tiled.generate(prompts, NEW_TOKENS) == kept.generate(prompts, NEW_TOKENS)

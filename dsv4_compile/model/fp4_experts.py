@@ -90,12 +90,18 @@ def quantize_experts_(model: nn.Module, fmt: str) -> None:
 
 
 def tile_fp4_experts_(model: nn.Module) -> int:
-    """Moves, in place, every Fp4Experts of a DeepseekV4ForCausalLM whose sizes split into tiles to
-    the tiled layout (Fp4Experts.tile_). Returns how many modules are tiled now. transformers'
-    own FP8Experts (read through views) stay row-major."""
+    """Moves, in place, the FP4 experts of a DeepseekV4ForCausalLM whose sizes split into tiles to
+    the tiled layout (Fp4Experts.tile_). transformers' own FP4 FP8Experts become Fp4Experts first
+    (their packed codes are re-laid out, their scales kept as views): the layer then holds an
+    Fp4Experts, which transformers' forward runs as well. Returns how many modules are tiled now."""
     tiled = 0
     for layer in model.model.layers:
         experts = layer.mlp.experts
+        if not isinstance(experts, Fp4Experts) and is_fp4(experts):
+            views = experts_from_transformers(experts)
+            converted = Fp4Experts(views["fmt"], views, views["swiglu_limit"])
+            if converted.can_tile():
+                layer.mlp.experts = experts = converted
         if isinstance(experts, Fp4Experts) and (experts.tiled or experts.can_tile()):
             experts.tile_()
             tiled += 1
