@@ -5,6 +5,7 @@ B=1 and B=2, contexts 8 and 40. It checks what the harness itself decides: every
 ran, the three variants agree and every logit is finite, B=1 equals row 0 of B=2, and the
 reports are written. Timings on CPU are not measurements and are not asserted.
 """
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -14,18 +15,18 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _bench_main():
+def _from_bench(module: str, name: str):
+    """`name` from bench/<module>.py (bench/__init__.py drops the root from sys.path again)."""
     sys.path.insert(0, str(ROOT))
     try:
-        from bench.__main__ import main
+        return getattr(importlib.import_module(f"bench.{module}"), name)
     finally:
         if str(ROOT) in sys.path:
             sys.path.remove(str(ROOT))
-    return main
 
 
 def test_smoke_mode_runs_every_case_and_the_variants_agree(tmp_path):
-    main = _bench_main()
+    main = _from_bench("__main__", "main")
     assert main(["--smoke", "--out", str(tmp_path)]) == 0
 
     results = json.loads((tmp_path / "e2e.json").read_text())
@@ -89,3 +90,24 @@ def test_contexts_keep_the_suite_order_and_unknown_ones_are_refused(monkeypatch)
     assert e2e.select_contexts(full, None) is full
     with pytest.raises(ValueError, match="--contexts"):
         e2e.select_contexts(full, "512,1000")
+
+
+def test_expert_layouts_switch_between_row_major_and_tiled():
+    """The e2e harness runs its baselines on the row-major experts a user's model holds and
+    optimize() on the tiled ones: ExpertLayouts keeps both and sets every module to one."""
+    ExpertLayouts = _from_bench("slice_model", "ExpertLayouts")
+    from dsv4_compile.model.fp4_experts import quantize_experts_, tile_fp4_experts_
+    from dsv4_compile.tiny import tiny_model
+
+    model = tiny_model(seed=3, hidden_size=128, moe_intermediate_size=128)
+    quantize_experts_(model, "mxfp4")
+    layouts = ExpertLayouts(model)
+    row_major = [layer.mlp.experts.w13 for layer in model.model.layers]
+    assert tile_fp4_experts_(model) == len(row_major)
+    layouts.capture_tiled()
+    for tiled in (False, True, True, False):
+        layouts.use(tiled)
+        for layer, original in zip(model.model.layers, row_major):
+            experts = layer.mlp.experts
+            assert experts.tiled == tiled and experts.w2.ndim == (5 if tiled else 3)
+            assert (experts.w13 is original) == (not tiled)
