@@ -57,7 +57,7 @@ def _importable_from_checkout() -> None:
 _importable_from_checkout()
 
 from dsv4_compile.kernels import fp4_moe as moe  # noqa: E402
-from dsv4_compile.fp4_tiles import TILE_COLS, TILE_ROWS, tile_fp4  # noqa: E402
+from dsv4_compile.fp4_tiles import experts_split_into_tiles, tile_fp4  # noqa: E402
 from dsv4_compile.model.hotspots import moe_experts_fp4  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12
@@ -92,8 +92,7 @@ def tiled_experts(w: dict) -> dict | None:
     """The same experts in the tiled layout optimize() gives them (dsv4_compile.fp4_tiles), or None
     where the sizes do not split into tiles."""
     _, rows, half_cols = w["w13"].shape
-    inter, hidden = rows // 2, 2 * half_cols
-    if inter % TILE_ROWS or inter % TILE_COLS or hidden % TILE_COLS:
+    if not experts_split_into_tiles(2 * half_cols, rows // 2):
         return None
     return dict(w, w13=tile_fp4(w["w13"]), w2=tile_fp4(w["w2"]))
 

@@ -11,14 +11,21 @@ Why: the fp4_moe kernels read a few weight rows x TILE_COLS values per K step. I
 layout those are 64-byte pieces of rows 2 KB apart; the H200 then streamed the weights at about
 half of its bandwidth, and at about 0.7 of it when every step's rows were one contiguous 2 KB tile
 (bench/RESULTS.md, sixth session). `Fp4Experts.tile_()` converts a model's experts in place and
-`optimize()` does it where the Triton kernels run.
+`optimize()` does it for every experts module whose sizes split into tiles.
 """
 from __future__ import annotations
 
 import torch
 
 TILE_ROWS = 32
-TILE_COLS = 128
+TILE_COLS = 128  # a multiple of TILE_ROWS (experts_split_into_tiles)
+
+
+def experts_split_into_tiles(hidden: int, inter: int) -> bool:
+    """Whether experts of hidden size K and intermediate size I split into whole tiles: K and I
+    multiples of TILE_COLS (a multiple of TILE_ROWS, so the w13 rows, 2I, and its up half, which
+    starts at row I, align to tiles too)."""
+    return hidden % TILE_COLS == 0 and inter % TILE_COLS == 0
 
 
 def is_tiled(packed: torch.Tensor) -> bool:
@@ -43,11 +50,11 @@ def untile_matrix(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(-3, -2).reshape(*lead, row_tiles * tile_rows, col_tiles * tile_units)
 
 
-def logical_shape(t: torch.Tensor) -> tuple[int, int, int]:
-    """(E, R, U) of a row-major [E, R, U] tensor or of its tiled form."""
+def logical_shape(t: torch.Tensor) -> tuple[int, int, int] | None:
+    """(E, R, U) of a row-major [E, R, U] tensor or of its tiled form; None for any other rank."""
     if t.ndim == 5:
         return t.shape[0], t.shape[1] * t.shape[3], t.shape[2] * t.shape[4]
-    return tuple(t.shape)
+    return tuple(t.shape) if t.ndim == 3 else None
 
 
 def tile_fp4(packed: torch.Tensor) -> torch.Tensor:

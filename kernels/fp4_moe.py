@@ -208,13 +208,14 @@ def _e2m1_times_2pow_minus14(codes):
 
 
 @triton.jit
-def _block_scale(s_raw, IS_MX: tl.constexpr):
-    """Scale bytes -> f32: ue8m0 2**(s-127) (s=0 reads as 0), or e4m3 via fp16 bits (times 2**8)."""
+def _block_scale(s_raw, IS_MX: tl.constexpr, TIMES: tl.constexpr):
+    """Scale bytes -> f32 scale * TIMES: ue8m0 2**(s-127) (s=0 reads as 0), or e4m3 via fp16 bits
+    (whose 2**-8 the same multiply undoes)."""
     if IS_MX:
-        return (s_raw.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-    s = s_raw.to(tl.int16)
+        return (s_raw.to(tl.int32) << 23).to(tl.float32, bitcast=True) * TIMES
+    s = s_raw.to(tl.int32)
     bits = ((s & 0x7F) << 7) | ((s & 0x80) << 8)
-    return bits.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * (TIMES * 256.0)
 
 
 @triton.jit
@@ -228,7 +229,7 @@ def _dequant_tile(w_ptr, s_ptr, rows, row_mask, k0, stride_w, stride_s,
     codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (rows.shape[0], BLOCK_K))
     groups = tl.arange(0, BLOCK_K // GROUP)
     s_raw = tl.load(s_ptr + rows[:, None] * stride_s + (k0 // GROUP + groups)[None, :], mask=row_mask[:, None], other=0)
-    scale = _block_scale(s_raw, IS_MX) * 16384.0
+    scale = _block_scale(s_raw, IS_MX, 16384.0)
     values = tl.reshape(_e2m1_times_2pow_minus14(codes), (rows.shape[0], BLOCK_K // GROUP, GROUP))
     return tl.reshape(values * scale[:, :, None], (rows.shape[0], BLOCK_K)).to(DOT_DTYPE)
 
@@ -481,12 +482,12 @@ def _gate_up_gemv_kernel(
             s_raw = _load_scales(s_base, w_rows, next_mask, k0 + BLOCK_K, stride_sn, BLOCK_K, GROUP)
             tl.debug_barrier()
             c0, c4, c1, c5, c2, c6, c3, c7 = _decode_words(cur_words)
-            scale = _block_scale(cur_s, IS_MX) * 16384.0
+            scale = _block_scale(cur_s, IS_MX, 16384.0)
         else:
             words = _load_words(w_base, w_rows, col_mask, k0, stride_wn, BLOCK_K, TILED)
             c0, c4, c1, c5, c2, c6, c3, c7 = _decode_words(words)
             s_raw = _load_scales(s_base, w_rows, col_mask, k0, stride_sn, BLOCK_K, GROUP)
-            scale = _block_scale(s_raw, IS_MX) * 16384.0
+            scale = _block_scale(s_raw, IS_MX, 16384.0)
         for r in tl.static_range(BLOCK_M):
             row_ok = start + r < end
             token = tl.load(order_ptr + start + r, mask=row_ok, other=0) // TOP_K
@@ -542,12 +543,12 @@ def _down_gemv_kernel(
             s_raw = _load_scales(s_base, cols, next_mask, k0 + BLOCK_K, stride_sn, BLOCK_K, GROUP)
             tl.debug_barrier()
             c0, c4, c1, c5, c2, c6, c3, c7 = _decode_words(cur_words)
-            scale = _block_scale(cur_s, IS_MX) * 16384.0
+            scale = _block_scale(cur_s, IS_MX, 16384.0)
         else:
             words = _load_words(w_base, cols, col_mask, k0, stride_wn, BLOCK_K, TILED)
             c0, c4, c1, c5, c2, c6, c3, c7 = _decode_words(words)
             s_raw = _load_scales(s_base, cols, col_mask, k0, stride_sn, BLOCK_K, GROUP)
-            scale = _block_scale(s_raw, IS_MX) * 16384.0
+            scale = _block_scale(s_raw, IS_MX, 16384.0)
         for r in tl.static_range(BLOCK_M):
             act = hidden_ptr + (start + r).to(tl.int64) * stride_h + k0 // 8
             sums = _row_group_sums(c0, c4, c1, c5, c2, c6, c3, c7, act, I // 8, start + r < end, BLOCK_K, GROUP)
@@ -580,7 +581,7 @@ def _down_gemv_kernel(
 # - The reduction order inside a BLOCK_K tile is permuted so that the codes a thread holds in the MMA
 #   layout are the codes of its own contiguous words: thread q of a quad holds words
 #   [q * BLOCK_K / 32, (q + 1) * BLOCK_K / 32) of its rows. The activations (x, and the hidden rows,
-#   both stored in their natural column order) are loaded in the same order (`_mma_load_act`, `_mma_act_order`): each
+#   both stored in their natural column order) are loaded in the same order (`_mma_load_act`, `_mma_act_operand`): each
 #   thread loads the 8 * BLOCK_K / 32 contiguous values its words meet as 16-byte vectors and permutes
 #   them in registers. (Loading a plain [BLOCK_K, BLOCK_M] tile of a host-permuted x instead went
 #   through an 8-byte-per-thread shared-memory layout change and took 168 registers a thread in the
@@ -663,16 +664,6 @@ def _scaled_pair(bits, scale, DOT_DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _mma_scale(s_raw, IS_MX: tl.constexpr):
-    """Scale bytes (int32 0..255) -> f32 scale * 2**62 (see the MMA path comment): as `_block_scale`,
-    with the e4m3 path's 2**8 folded into the same multiply."""
-    if IS_MX:
-        return (s_raw << 23).to(tl.float32, bitcast=True) * 2.0**62
-    bits = ((s_raw & 0x7F) << 7) | ((s_raw & 0x80) << 8)
-    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 2.0**70
-
-
-@triton.jit
 def _mma_load_weights(w_ptr, s_ptr, row0, n_rows, k0, stride_w, stride_s,
                       GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_WARPS: tl.constexpr, TILED: tl.constexpr):
     """The packed words and scale words of rows [row0, row0 + BLOCK_N) (zeros at and past n_rows) x the
@@ -723,7 +714,7 @@ def _mma_decode_weights(words, s_words, k0, zero,
     else:
         s_raw = tl.join(tl.join(s_word & 0xFF, (s_word >> 16) & 0xFF),
                         tl.join((s_word >> 8) & 0xFF, (s_word >> 24) & 0xFF))
-    scale = _mma_scale(tl.reshape(s_raw, (4, 8, NUM_WARPS, 2, REP, SPQ)), IS_MX)
+    scale = _block_scale(tl.reshape(s_raw, (4, 8, NUM_WARPS, 2, REP, SPQ)), IS_MX, 2.0**62)
     scale = tl.reshape(scale, (4, 8, NUM_WARPS, 2, REP, SPQ, 1, 1))
     w = tl.reshape(words.to(tl.uint32, bitcast=True), (4, 8, NUM_WARPS, 2, REP, SPQ, U // SPQ))
     pairs = tl.join(tl.join(_scaled_pair(_e2m1_pair_bits(w, 0, zero), scale, DOT_DTYPE),

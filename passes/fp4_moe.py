@@ -82,14 +82,6 @@ def _weight_region(start: Node, stop: set[Node]) -> set[Node]:
     return seen
 
 
-def _logical_shape(val: torch.Tensor | None) -> tuple[int, int, int] | None:
-    """(E, rows, units) of a row-major [E, rows, units] expert tensor or of its tiled form
-    (dsv4_compile.fp4_tiles, 5-D); None for anything else."""
-    if val is None or val.ndim not in (3, 5):
-        return None
-    return logical_shape(val)
-
-
 def _is_input(node: Node) -> bool:
     return node.op in ("placeholder", "get_attr")
 
@@ -110,7 +102,7 @@ def _expert_weights(region: set[Node], hidden: int, first: bool):
     if bad:
         raise _Decline(f"weight path has non-dequantise ops {bad[:3]}")
     gathers = _gathers(region)
-    shape = {g: _logical_shape(_val(g.args[0])) for g in gathers}  # None: neither 3-D nor tiled
+    shape = {g: logical_shape(_val(g.args[0])) for g in gathers}  # None: neither 3-D nor tiled
     packed = [g for g in gathers if _val(g.args[0]).dtype == torch.uint8 and shape[g] is not None
               and (2 * shape[g][2] == hidden if first else shape[g][1] == hidden)]
     if not packed:

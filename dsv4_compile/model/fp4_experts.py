@@ -4,7 +4,8 @@ from torch import nn
 
 from dsv4_compile.fp4 import (dequantize_mxfp4, dequantize_nvfp4, experts_from_transformers, quantize_mxfp4,
                               quantize_nvfp4)
-from dsv4_compile.fp4_tiles import TILE_COLS, TILE_ROWS, is_tiled, tile_fp4, untile_matrix
+from dsv4_compile.fp4_tiles import (TILE_COLS, TILE_ROWS, experts_split_into_tiles, is_tiled, tile_fp4,
+                                    untile_matrix)
 
 from .hotspots import moe_experts_fp4, moe_experts_gathered
 
@@ -50,11 +51,9 @@ class Fp4Experts(nn.Module):
         return is_tiled(self.w13)
 
     def can_tile(self) -> bool:
-        """Whether the packed weights split into whole tiles: I a multiple of TILE_ROWS (so 2I is,
-        and the up rows start a tile), K and I multiples of TILE_COLS."""
+        """Whether the packed weights split into whole tiles (experts_split_into_tiles)."""
         _, two_inter, half_hidden = self.w13.shape
-        inter, hidden = two_inter // 2, 2 * half_hidden
-        return inter % TILE_ROWS == 0 and inter % TILE_COLS == 0 and hidden % TILE_COLS == 0
+        return experts_split_into_tiles(2 * half_hidden, two_inter // 2)
 
     @torch.no_grad()
     def tile_(self) -> "Fp4Experts":
