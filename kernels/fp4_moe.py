@@ -11,8 +11,9 @@ Launch (capture-safe: static shapes, no host syncs):
    SwiGLU -> hidden [M*k, I] in sorted-pair order.
 3. `_down_kernel`: per (block, K tile): hidden rows @ dequant(W2 tile)^T times the routing
    weight -> per-pair outputs [M*k, K] f32 at the pair's own index.
-4. `combine_pairs`: out[m] = sum over the valid choices of m (a torch epilogue that inductor
-   can fuse with what follows, e.g. the shared-expert add).
+4. out[m] = sum over the valid choices of m (kernels/moe_pairs.py: `combine_pairs`, the torch form
+   the lowering fuses with what follows, e.g. the shared-expert add; the eager op runs
+   `combine_pairs_triton`, one launch).
 
 Steps 2 and 3 have three kernel pairs behind one launcher: a GEMV path (`_gate_up_gemv_kernel`,
 `_down_gemv_kernel`; no tl.dot) for a few pairs per expert on average (decode),
@@ -39,6 +40,7 @@ from dsv4_compile.fp4 import dequantize_mxfp4, dequantize_nvfp4
 from dsv4_compile.fp4_tiles import TILE_COLS, TILE_ROWS, is_tiled, logical_shape, untile_matrix
 
 from ._runtime import triton_runs_on
+from .moe_pairs import combine_pairs, combine_pairs_triton, expert_blocks
 
 logger = logging.getLogger("dsv4_compile")
 
@@ -246,6 +248,15 @@ def _scaled_dot(acc, a, w_ptr, s_ptr, rows, row_mask, k0, stride_w, stride_s, BL
 
 
 @triton.jit
+def _swiglu(gate, up, LIMIT, HAS_LIMIT: tl.constexpr):
+    """silu(min(gate, LIMIT)) * clamp(up, -LIMIT, LIMIT) in f32 (no clamps without HAS_LIMIT)."""
+    if HAS_LIMIT:
+        gate = tl.minimum(gate, LIMIT)
+        up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr, order_ptr, block_expert_ptr, block_start_ptr, block_end_ptr,
     w13_ptr, s13_ptr, g13_ptr, hidden_ptr,
@@ -292,10 +303,7 @@ def _gate_up_kernel(
         glob = tl.load(g13_ptr + expert)
         acc_gate = acc_gate * glob
         acc_up = acc_up * glob
-    if HAS_LIMIT:
-        acc_gate = tl.minimum(acc_gate, LIMIT)
-        acc_up = tl.minimum(tl.maximum(acc_up, -LIMIT), LIMIT)
-    act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
+    act = _swiglu(acc_gate, acc_up, LIMIT, HAS_LIMIT)
     out_mask = row_mask[:, None] & col_mask[None, :]
     tl.store(hidden_ptr + rows[:, None] * stride_h + cols[None, :], act.to(hidden_ptr.dtype.element_ty), mask=out_mask)
 
@@ -498,10 +506,7 @@ def _gate_up_gemv_kernel(
     if not IS_MX:
         gate_up = gate_up * tl.load(g13_ptr + expert)
     gate, up = tl.split(tl.permute(tl.reshape(gate_up, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
-    if HAS_LIMIT:
-        gate = tl.minimum(gate, LIMIT)
-        up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
-    act = gate / (1.0 + tl.exp(-gate)) * up
+    act = _swiglu(gate, up, LIMIT, HAS_LIMIT)
     rows = start + tl.arange(0, BLOCK_M)
     out_cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     out_mask = (rows < end)[:, None] & (out_cols < I)[None, :]
@@ -831,7 +836,7 @@ def _gate_up_mma_kernel(
 ):
     """x [M, K] (int32 pairs where PACKED), w13 / scales as int32 words -> hidden [M*k, I] (rows in
     sorted-pair order)."""
-    block = tl.program_id(0)
+    block = tl.program_id(1)
     expert = tl.load(block_expert_ptr + block)
     if expert >= E:
         return
@@ -840,7 +845,7 @@ def _gate_up_mma_kernel(
     rows = start + tl.arange(0, BLOCK_M)
     row_mask = rows < end
     token = tl.load(order_ptr + rows, mask=row_mask, other=0) // TOP_K
-    col0 = tl.program_id(1) * BLOCK_N
+    col0 = tl.program_id(0) * BLOCK_N
     w_base = w13_ptr + expert.to(tl.int64) * stride_we
     s_base = s13_ptr + expert.to(tl.int64) * stride_se
     u_base, us_base = w_base + I * stride_wn, s_base + I * stride_sn
@@ -875,10 +880,7 @@ def _gate_up_mma_kernel(
         fix = fix * tl.load(g13_ptr + expert)
     gate = acc_gate * fix
     up = acc_up * fix
-    if HAS_LIMIT:
-        gate = tl.minimum(gate, LIMIT)
-        up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
-    act = gate / (1.0 + tl.exp(-gate)) * up
+    act = _swiglu(gate, up, LIMIT, HAS_LIMIT)
     cols = col0 + tl.arange(0, BLOCK_N)
     out_mask = (cols < I)[:, None] & row_mask[None, :]
     tl.store(hidden_ptr + rows[None, :] * stride_h + cols[:, None], act.to(hidden_ptr.dtype.element_ty),
@@ -920,7 +922,7 @@ def _down_mma_kernel(
 ):
     """hidden [M*k, I] (int32 pairs where PACKED), w2 / scales as int32 words -> weighted pair
     outputs [M*k, K] f32."""
-    block = tl.program_id(0)
+    block = tl.program_id(1)
     expert = tl.load(block_expert_ptr + block)
     if expert >= E:
         return
@@ -928,7 +930,7 @@ def _down_mma_kernel(
     end = tl.load(block_end_ptr + block)
     rows = start + tl.arange(0, BLOCK_M)
     row_mask = rows < end
-    col0 = tl.program_id(1) * BLOCK_N
+    col0 = tl.program_id(0) * BLOCK_N
     w_base = w2_ptr + expert.to(tl.int64) * stride_we
     s_base = s2_ptr + expert.to(tl.int64) * stride_se
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -962,95 +964,6 @@ def _down_mma_kernel(
     cols = col0 + tl.arange(0, BLOCK_N)
     out_mask = (cols < K)[:, None] & row_mask[None, :]
     tl.store(pair_out_ptr + pair[None, :].to(tl.int64) * stride_o + cols[:, None], acc, mask=out_mask)
-
-
-# expert_blocks in two Triton launches (plus the zeroed counts) instead of a torch.sort and some 30
-# small torch kernels: `_count_pairs_kernel` counts the pairs per expert with atomics, whose returned
-# old counts are each pair's rank within its expert; `_place_pairs_kernel` scans the counts in every
-# program (E + 1 values) and writes each pair's row and the block table. The order within an expert
-# is then the atomics' order; no kernel depends on it (each pair's output is its own column or row of
-# every product, with the same reduction order wherever it sits).
-GROUP_PAIRS = 32  # pairs (and blocks) per program
-
-
-@triton.jit
-def _bucket(ids, E):
-    """Expert ids -> buckets: ids outside [0, E) (other ranks) go to bucket E, past every expert."""
-    return tl.where((ids >= 0) & (ids < E), ids, E)
-
-
-@triton.jit
-def _count_pairs_kernel(ids_ptr, counts_ptr, rank_ptr, P, E, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    live = offs < P
-    bucket = _bucket(tl.load(ids_ptr + offs, mask=live, other=-1), E)
-    rank = tl.atomic_add(counts_ptr + bucket, 1, mask=live, sem="relaxed")
-    tl.store(rank_ptr + offs, rank, mask=live)
-
-
-@triton.jit
-def _place_pairs_kernel(ids_ptr, counts_ptr, rank_ptr, order_ptr, block_expert_ptr, block_start_ptr, block_end_ptr,
-                        P, NB, E, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr):
-    e = tl.arange(0, E_PAD)
-    counts = tl.load(counts_ptr + e, mask=e <= E, other=0)
-    row_start = tl.cumsum(counts, 0) - counts
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    live = offs < P
-    bucket = _bucket(tl.load(ids_ptr + offs, mask=live, other=-1), E)
-    rank = tl.load(rank_ptr + offs, mask=live, other=0)
-    first_row = tl.sum(tl.where(bucket[:, None] == e[None, :], row_start[None, :], 0), axis=1)
-    tl.store(order_ptr + first_row + rank, offs, mask=live)
-    # Blocks: expert e owns blocks [block_end[e] - blocks[e], block_end[e]); past the last one, E.
-    blocks = tl.where(e < E, (counts + BLOCK_M - 1) // BLOCK_M, 0)
-    block_end = tl.cumsum(blocks, 0)
-    block = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    expert = tl.sum(((block_end[None, :] <= block[:, None]) & (e[None, :] < E)).to(tl.int32), axis=1)
-    own = e[None, :] == expert[:, None]
-    first_block = tl.sum(tl.where(own, block_end - blocks, 0), axis=1)
-    start = tl.sum(tl.where(own, row_start, 0), axis=1)
-    count = tl.sum(tl.where(own, counts, 0), axis=1)
-    real = expert < E
-    in_range = block < NB
-    tl.store(block_expert_ptr + block, expert, mask=in_range)
-    tl.store(block_start_ptr + block, tl.where(real, start + (block - first_block) * BLOCK_M, 0), mask=in_range)
-    tl.store(block_end_ptr + block, tl.where(real, start + count, 0), mask=in_range)
-
-
-def expert_blocks(topk_ids: torch.Tensor, experts: int, block_m: int):
-    """Group the (token, choice) pairs by expert into blocks of `block_m` rows, on device, without host
-    syncs or a sort.
-
-    topk_ids [M, k] int32 -> (order [M*k] int32: the pair indices grouped by expert in ascending expert
-    order, in no particular order within an expert (see above),
-    block_expert / block_start / block_end [NB] int32: each block's expert (E = empty block, its start
-    and end 0) and its row range in `order`), NB = cdiv(M*k, block_m) + min(E, M*k). Ids outside
-    [0, E) are grouped past every expert and never read.
-    """
-    ids = topk_ids.reshape(-1).contiguous()
-    pairs = ids.numel()
-    device = ids.device
-    num_blocks = triton.cdiv(pairs, block_m) + min(experts, pairs)
-    order = torch.empty(pairs, dtype=torch.int32, device=device)
-    block_expert, block_start, block_end = (torch.empty(num_blocks, dtype=torch.int32, device=device)
-                                            for _ in range(3))
-    if pairs == 0:
-        return order, block_expert, block_start, block_end
-    counts = torch.zeros(experts + 1, dtype=torch.int32, device=device)
-    rank = torch.empty(pairs, dtype=torch.int32, device=device)
-    _count_pairs_kernel[(triton.cdiv(pairs, GROUP_PAIRS),)](ids, counts, rank, pairs, experts, BLOCK=GROUP_PAIRS)
-    _place_pairs_kernel[(triton.cdiv(max(pairs, num_blocks), GROUP_PAIRS),)](
-        ids, counts, rank, order, block_expert, block_start, block_end, pairs, num_blocks, experts,
-        BLOCK_M=block_m, E_PAD=triton.next_power_of_2(experts + 1), BLOCK=GROUP_PAIRS, num_warps=8,
-    )
-    return order, block_expert, block_start, block_end
-
-
-def combine_pairs(pair_out: torch.Tensor, topk_ids: torch.Tensor, experts: int, dtype: torch.dtype) -> torch.Tensor:
-    """pair_out [M*k, K] f32 (rows of skipped pairs unwritten) -> out [M, K] of `dtype`."""
-    tokens, top_k = topk_ids.shape
-    valid = ((topk_ids >= 0) & (topk_ids < experts)).unsqueeze(-1)
-    per_pair = pair_out.view(tokens, top_k, -1)
-    return torch.where(valid, per_pair, 0.0).sum(dim=1).to(dtype)
 
 
 def native_fp4_dot(x: torch.Tensor, fmt: str) -> bool:
@@ -1235,14 +1148,18 @@ def fp4_moe_pairs_triton(
         x_in, h_in, gate_up_extra, down_extra = x, hidden_rows, {}, {}
     num_blocks = block_expert.numel()
     # K, I, k are constexpr: fixed per model, and loop bounds the interpreter (numpy >= 2.4) accepts.
-    gate_up[(num_blocks, triton.cdiv(inter, block_n))](
+    # The mma kernels take the column tile as program_id(0): launch order then runs an expert's
+    # tiles together and the empty blocks (at the table's end) last, where their programs only fill
+    # the final wave's free slots instead of taking slots in every wave.
+    mma = config.path == "mma"
+    gate_up[(triton.cdiv(inter, block_n), num_blocks) if mma else (num_blocks, triton.cdiv(inter, block_n))](
         x_in, order, block_expert, block_start, block_end, w13, s13, g13, hidden_rows,
         experts,
         x_in.stride(0), w13.stride(0), _row_step(w13), s13.stride(0), s13.stride(1), hidden_rows.stride(0),
         float(swiglu_limit) if swiglu_limit is not None else 0.0,
         K=hidden, I=inter, TOP_K=top_k, HAS_LIMIT=swiglu_limit is not None, **common, **gate_up_extra,
     )
-    down[(num_blocks, triton.cdiv(hidden, block_n))](
+    down[(triton.cdiv(hidden, block_n), num_blocks) if mma else (num_blocks, triton.cdiv(hidden, block_n))](
         h_in, order, block_expert, block_start, block_end, weights, w2, s2, g2, pair_out,
         experts,
         h_in.stride(0), w2.stride(0), _row_step(w2), s2.stride(0), s2.stride(1), pair_out.stride(0),
@@ -1317,7 +1234,7 @@ def fp4_moe(
                                  w13_global, w2_global, swiglu_limit)
     pair_out = fp4_moe_pairs_triton(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, fmt,
                                     w13_global, w2_global, swiglu_limit)
-    return combine_pairs(pair_out, topk_ids, w13.shape[0], x.dtype)
+    return combine_pairs_triton(pair_out, topk_ids, w13.shape[0], x.dtype)
 
 
 @fp4_moe.register_fake

@@ -1,0 +1,136 @@
+"""Grouping the (token, choice) pairs of a routed MoE by expert, and combining their outputs.
+
+`expert_blocks` cuts the M*k pairs into per-expert blocks for the expert kernels of
+kernels/fp4_moe.py; `combine_pairs` (torch, the spec) and `combine_pairs_triton` sum each token's
+per-pair outputs. Both run on static shapes without host syncs (capture-safe).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# expert_blocks in two Triton launches (plus the zeroed counts) instead of a torch.sort and some 30
+# small torch kernels: `_count_pairs_kernel` counts the pairs per expert with atomics, whose returned
+# old counts are each pair's rank within its expert; `_place_pairs_kernel` scans the counts in every
+# program (E + 1 values) and writes each pair's row and the block table. The order within an expert
+# is then the atomics' order; no kernel depends on it (each pair's output is its own column or row of
+# every product, with the same reduction order wherever it sits).
+GROUP_PAIRS = 32  # pairs (and blocks) per program
+# H200, E=256 (E_PAD 512), in a CUDA graph: 4 warps 5.5-6.7 us a launch, 8 warps 7.4-8.0, 2 warps
+# 9.9-10.6; 64 pairs a program 11.5-36.7 (bench/RESULTS.md "Seventh session").
+PLACE_WARPS = 4
+
+
+@triton.jit
+def _bucket(ids, E):
+    """Expert ids -> buckets: ids outside [0, E) (other ranks) go to bucket E, past every expert."""
+    return tl.where((ids >= 0) & (ids < E), ids, E)
+
+
+@triton.jit
+def _count_pairs_kernel(ids_ptr, counts_ptr, rank_ptr, P, E, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < P
+    bucket = _bucket(tl.load(ids_ptr + offs, mask=live, other=-1), E)
+    rank = tl.atomic_add(counts_ptr + bucket, 1, mask=live, sem="relaxed")
+    tl.store(rank_ptr + offs, rank, mask=live)
+
+
+@triton.jit
+def _place_pairs_kernel(ids_ptr, counts_ptr, rank_ptr, order_ptr, block_expert_ptr, block_start_ptr, block_end_ptr,
+                        P, NB, E, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    e = tl.arange(0, E_PAD)
+    counts = tl.load(counts_ptr + e, mask=e <= E, other=0)
+    row_start = tl.cumsum(counts, 0) - counts
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < P
+    bucket = _bucket(tl.load(ids_ptr + offs, mask=live, other=-1), E)
+    rank = tl.load(rank_ptr + offs, mask=live, other=0)
+    first_row = tl.sum(tl.where(bucket[:, None] == e[None, :], row_start[None, :], 0), axis=1)
+    tl.store(order_ptr + first_row + rank, offs, mask=live)
+    # Blocks: expert e owns blocks [block_end[e] - blocks[e], block_end[e]); past the last one, E.
+    blocks = tl.where(e < E, (counts + BLOCK_M - 1) // BLOCK_M, 0)
+    block_end = tl.cumsum(blocks, 0)
+    block = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    expert = tl.sum(((block_end[None, :] <= block[:, None]) & (e[None, :] < E)).to(tl.int32), axis=1)
+    own = e[None, :] == expert[:, None]
+    first_block = tl.sum(tl.where(own, block_end - blocks, 0), axis=1)
+    start = tl.sum(tl.where(own, row_start, 0), axis=1)
+    count = tl.sum(tl.where(own, counts, 0), axis=1)
+    real = expert < E
+    in_range = block < NB
+    tl.store(block_expert_ptr + block, expert, mask=in_range)
+    tl.store(block_start_ptr + block, tl.where(real, start + (block - first_block) * BLOCK_M, 0), mask=in_range)
+    tl.store(block_end_ptr + block, tl.where(real, start + count, 0), mask=in_range)
+
+
+def expert_blocks(topk_ids: torch.Tensor, experts: int, block_m: int):
+    """Group the (token, choice) pairs by expert into blocks of `block_m` rows, on device, without host
+    syncs or a sort.
+
+    topk_ids [M, k] int32 -> (order [M*k] int32: the pair indices grouped by expert in ascending expert
+    order, in no particular order within an expert (see above),
+    block_expert / block_start / block_end [NB] int32: each block's expert (E = empty block, its start
+    and end 0) and its row range in `order`), NB = cdiv(M*k, block_m) + min(E, M*k). Ids outside
+    [0, E) are grouped past every expert and never read.
+    """
+    ids = topk_ids.reshape(-1).contiguous()
+    pairs = ids.numel()
+    device = ids.device
+    num_blocks = triton.cdiv(pairs, block_m) + min(experts, pairs)
+    order = torch.empty(pairs, dtype=torch.int32, device=device)
+    block_expert, block_start, block_end = (torch.empty(num_blocks, dtype=torch.int32, device=device)
+                                            for _ in range(3))
+    if pairs == 0:
+        return order, block_expert, block_start, block_end
+    counts = torch.zeros(experts + 1, dtype=torch.int32, device=device)
+    rank = torch.empty(pairs, dtype=torch.int32, device=device)
+    _count_pairs_kernel[(triton.cdiv(pairs, GROUP_PAIRS),)](ids, counts, rank, pairs, experts, BLOCK=GROUP_PAIRS)
+    _place_pairs_kernel[(triton.cdiv(max(pairs, num_blocks), GROUP_PAIRS),)](
+        ids, counts, rank, order, block_expert, block_start, block_end, pairs, num_blocks, experts,
+        BLOCK_M=block_m, E_PAD=triton.next_power_of_2(experts + 1), BLOCK=GROUP_PAIRS, num_warps=PLACE_WARPS,
+    )
+    return order, block_expert, block_start, block_end
+
+
+def combine_pairs(pair_out: torch.Tensor, topk_ids: torch.Tensor, experts: int, dtype: torch.dtype) -> torch.Tensor:
+    """pair_out [M*k, K] f32 (rows of skipped pairs unwritten) -> out [M, K] of `dtype`."""
+    tokens, top_k = topk_ids.shape
+    valid = ((topk_ids >= 0) & (topk_ids < experts)).unsqueeze(-1)
+    per_pair = pair_out.view(tokens, top_k, -1)
+    return torch.where(valid, per_pair, 0.0).sum(dim=1).to(dtype)
+
+
+@triton.jit
+def _combine_pairs_kernel(pair_ptr, ids_ptr, out_ptr, E, K, stride_p, stride_o,
+                          TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    m = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    col_ok = cols < K
+    total = tl.zeros((BLOCK,), tl.float32)
+    for j in tl.static_range(TOP_K):  # in choice order, as combine_pairs sums
+        expert = tl.load(ids_ptr + m * TOP_K + j)
+        valid = (expert >= 0) & (expert < E)
+        row = (m * TOP_K + j).to(tl.int64)
+        total += tl.load(pair_ptr + row * stride_p + cols, mask=col_ok & valid, other=0.0)
+    tl.store(out_ptr + m * stride_o + cols, total.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+COMBINE_BLOCK = 1024
+
+
+def combine_pairs_triton(pair_out: torch.Tensor, topk_ids: torch.Tensor, experts: int,
+                         dtype: torch.dtype) -> torch.Tensor:
+    """`combine_pairs` in one Triton launch: pair_out [M*k, K] f32, topk_ids [M, k] int32 -> [M, K]
+    of `dtype`; rows of skipped pairs are never read."""
+    tokens, top_k = topk_ids.shape
+    hidden = pair_out.shape[1]
+    out = torch.empty(tokens, hidden, dtype=dtype, device=pair_out.device)
+    if tokens == 0:
+        return out
+    block = min(COMBINE_BLOCK, triton.next_power_of_2(hidden))
+    _combine_pairs_kernel[(tokens, triton.cdiv(hidden, block))](
+        pair_out, topk_ids.contiguous(), out, experts, hidden, pair_out.stride(0), out.stride(0),
+        TOP_K=top_k, BLOCK=block, num_warps=4)
+    return out

@@ -1,0 +1,72 @@
+"""kernels/moe_pairs.py: grouping pairs by expert, and the Triton combine against its torch form.
+Under the Triton interpreter on CPU."""
+import pytest
+import torch
+
+from dsv4_compile.kernels import moe_pairs
+
+
+def test_blocks_cover_pairs():
+    ids = torch.tensor([[2, 0], [2, -1], [2, 2], [7, 0]], dtype=torch.int32)
+    order, expert, start, end = moe_pairs.expert_blocks(ids, experts=3, block_m=2)
+    assert expert.numel() == 4 + 3  # cdiv(8, 2) + min(3, 8)
+    real = expert < 3
+    rows = [(int(e), list(range(s, min(s + 2, t)))) for e, s, t in zip(expert[real], start[real], end[real])]
+    seen = sorted(int(order[r]) for _, rs in rows for r in rs)
+    assert seen == [0, 1, 2, 4, 5, 7]  # every valid pair exactly once; never -1 or id 7 (pairs 3, 6)
+    for e, rs in rows:
+        assert all(int(ids.reshape(-1)[order[r]]) == e for r in rs)
+
+
+def _blocks_by_loop(ids: torch.Tensor, experts: int, block_m: int):
+    """expert_blocks' contract in plain Python: each expert's pairs (ascending experts), then the skipped
+    ones; each expert's rows cut into blocks of block_m, then empty blocks (id E)."""
+    flat = ids.reshape(-1).tolist()
+    bucket = [e if 0 <= e < experts else experts for e in flat]
+    groups = [sorted(p for p, b in enumerate(bucket) if b == e) for e in range(experts + 1)]
+    blocks, start = [], 0
+    for e in range(experts):
+        count = len(groups[e])
+        blocks += [(e, start + b, start + count) for b in range(0, count, block_m)]
+        start += count
+    num_blocks = -(-len(flat) // block_m) + min(experts, len(flat))
+    blocks += [(experts, 0, 0)] * (num_blocks - len(blocks))
+    return groups, blocks
+
+
+@pytest.mark.parametrize("tokens, top_k, experts, block_m", [(1, 1, 1, 1), (5, 3, 4, 2), (64, 6, 32, 8),
+                                                             (33, 6, 256, 1), (7, 6, 256, 16), (0, 6, 8, 8)])
+def test_expert_blocks_match_loop(tokens, top_k, experts, block_m):
+    """The Triton grouping against the contract in Python, with ids -1 and >= E mixed in: `order` holds
+    each expert's pairs in its row range (in any order within it), then the skipped pairs."""
+    gen = torch.Generator().manual_seed(tokens * 131 + experts)
+    ids = torch.randint(-1, experts + 2, (tokens, top_k), generator=gen).to(torch.int32)
+    order, expert, start, end = moe_pairs.expert_blocks(ids, experts, block_m)
+    groups, want_blocks = _blocks_by_loop(ids, experts, block_m)
+    assert order.dtype == torch.int32 and order.numel() == tokens * top_k
+    row = 0
+    for group in groups:
+        assert sorted(order[row:row + len(group)].tolist()) == group
+        row += len(group)
+    assert [(int(e), int(s), int(t)) for e, s, t in zip(expert, start, end)] == want_blocks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, top_k, experts, hidden", [(1, 1, 1, 8), (5, 3, 4, 96), (9, 6, 8, 1500)])
+def test_combine_pairs_triton_matches_torch(tokens, top_k, experts, hidden, dtype):
+    """combine_pairs_triton == combine_pairs (the spec) with ids -1 and >= E mixed in; the rows of
+    skipped pairs hold NaN, so reading one would show. Both add the valid choices in order in f32;
+    the tolerance allows one f32 rounding per term (torch may vectorise the sum in another order),
+    and for bf16 one bf16 step (2**-7 relative): the casts may round differently (the interpreter's
+    f32 -> bf16 cast truncates)."""
+    gen = torch.Generator().manual_seed(tokens * 7 + hidden)
+    ids = torch.randint(-1, experts + 2, (tokens, top_k), generator=gen).to(torch.int32)
+    pairs = torch.randn(tokens * top_k, hidden, generator=gen)
+    skipped = ((ids < 0) | (ids >= experts)).reshape(-1)
+    pairs[skipped] = float("nan")
+    want = moe_pairs.combine_pairs(pairs, ids, experts, dtype)
+    got = moe_pairs.combine_pairs_triton(pairs, ids, experts, dtype)
+    assert got.dtype == dtype and got.shape == (tokens, hidden)
+    assert not got.isnan().any()
+    rtol = 2 ** -7 if dtype == torch.bfloat16 else 4 * top_k * 2 ** -24
+    torch.testing.assert_close(got, want, rtol=rtol, atol=rtol)
