@@ -20,7 +20,8 @@ Steps 2 and 3 have three kernel pairs behind one launcher: a GEMV path (`_gate_u
 an mma path (`_gate_up_mma_kernel`, `_down_mma_kernel`: tl.dot with the weight rows as its M
 side, for blocks of a few pairs; decode and verify) and the dot path below (prefill, and MXFP4
 on GPUs with FP4 tensor cores); `choose_config` picks by average pairs per expert and format,
-`TileConfig` overrides it (tests, bench --sweep).
+`TileConfig` overrides it (tests, bench --sweep). The mma kernels are launched column tile first
+(grid (tiles, blocks)), the others block first.
 
 On the dot path weights are dequantised to the dot dtype (bf16 for bf16 x on GPU, f32 for f32 x
 and under the interpreter) before tl.dot; on sm_100+ MXFP4 uses tl.dot_scaled on the packed codes
@@ -40,7 +41,8 @@ from dsv4_compile.fp4 import dequantize_mxfp4, dequantize_nvfp4
 from dsv4_compile.fp4_tiles import TILE_COLS, TILE_ROWS, is_tiled, logical_shape, untile_matrix
 
 from ._runtime import triton_runs_on
-from .moe_pairs import combine_pairs, combine_pairs_triton, expert_blocks
+from .moe_pairs import combine_pairs  # noqa: F401  (the op's spec epilogue, as moe.combine_pairs for tests and bench)
+from .moe_pairs import combine_pairs_triton, expert_blocks
 
 logger = logging.getLogger("dsv4_compile")
 
@@ -1071,6 +1073,9 @@ def check_mxfp4_scale_range(**scales: torch.Tensor) -> None:
                              f"accepts scales up to 2**{MMA_MAX_UE8M0 - 127} (code {MMA_MAX_UE8M0})")
 
 
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis
+
+
 def _row_step(t: torch.Tensor) -> int:
     """Packed codes' row argument of the kernels: their row stride, or, tiled (5-D), their units per row."""
     return t.stride(1) if t.ndim == 3 else t.shape[2] * t.shape[4]
@@ -1104,6 +1109,10 @@ def fp4_moe_pairs_triton(
     if config is None:
         config = choose_config(pairs, experts, fmt, native_fp4, mma_fits=hidden % 32 == 0 and inter % 32 == 0)
     group = GROUP[fmt]
+    blocks_bound = triton.cdiv(pairs, config.block_m) + min(experts, pairs)  # expert_blocks' grid bound
+    if config.path == "mma" and blocks_bound > MAX_GRID_Y:  # the default configs take mma up to 3E blocks
+        raise ValueError(f"fp4_moe: config {config} would put {blocks_bound} expert blocks on the grid's second "
+                         f"axis (at most {MAX_GRID_Y}); use a dot or gemv config for M*k = {pairs} pairs")
     x = x.contiguous()
     order, block_expert, block_start, block_end = expert_blocks(topk_ids, experts, config.block_m)
     # The GEMV path keeps its activations in f32: converting bf16 in the K loop costs two

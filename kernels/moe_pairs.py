@@ -65,7 +65,8 @@ def _place_pairs_kernel(ids_ptr, counts_ptr, rank_ptr, order_ptr, block_expert_p
     tl.store(block_end_ptr + block, tl.where(real, start + count, 0), mask=in_range)
 
 
-def expert_blocks(topk_ids: torch.Tensor, experts: int, block_m: int):
+def expert_blocks(topk_ids: torch.Tensor, experts: int,
+                  block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group the (token, choice) pairs by expert into blocks of `block_m` rows, on device, without host
     syncs or a sort.
 
@@ -98,36 +99,49 @@ def combine_pairs(pair_out: torch.Tensor, topk_ids: torch.Tensor, experts: int, 
     """pair_out [M*k, K] f32 (rows of skipped pairs unwritten) -> out [M, K] of `dtype`."""
     tokens, top_k = topk_ids.shape
     valid = ((topk_ids >= 0) & (topk_ids < experts)).unsqueeze(-1)
-    per_pair = pair_out.view(tokens, top_k, -1)
+    per_pair = pair_out.view(tokens, top_k, pair_out.shape[1])
     return torch.where(valid, per_pair, 0.0).sum(dim=1).to(dtype)
 
 
 @triton.jit
 def _combine_pairs_kernel(pair_ptr, ids_ptr, out_ptr, E, K, stride_p, stride_o,
                           TOP_K: tl.constexpr, BLOCK: tl.constexpr):
-    m = tl.program_id(0)
+    m = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     col_ok = cols < K
     total = tl.zeros((BLOCK,), tl.float32)
     for j in tl.static_range(TOP_K):  # in choice order, as combine_pairs sums
         expert = tl.load(ids_ptr + m * TOP_K + j)
         valid = (expert >= 0) & (expert < E)
-        row = (m * TOP_K + j).to(tl.int64)
-        total += tl.load(pair_ptr + row * stride_p + cols, mask=col_ok & valid, other=0.0)
+        total += tl.load(pair_ptr + (m * TOP_K + j) * stride_p + cols, mask=col_ok & valid, other=0.0)
     tl.store(out_ptr + m * stride_o + cols, total.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
 COMBINE_BLOCK = 1024
 
 
-def combine_pairs_triton(pair_out: torch.Tensor, topk_ids: torch.Tensor, experts: int,
-                         dtype: torch.dtype) -> torch.Tensor:
-    """`combine_pairs` in one Triton launch: pair_out [M*k, K] f32, topk_ids [M, k] int32 -> [M, K]
-    of `dtype`; rows of skipped pairs are never read."""
+def combine_pairs_triton(pair_out: torch.Tensor, topk_ids: torch.Tensor, experts: int, dtype: torch.dtype,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
+    """`combine_pairs` in one Triton launch: pair_out [M*k, K] f32 (unit column stride), topk_ids
+    [M, k] integer -> [M, K] of `dtype`; rows of skipped pairs are never read. `out` may be passed
+    pre-poisoned (tests): a contiguous [M, K] tensor of `dtype`, returned."""
+    if topk_ids.ndim != 2 or topk_ids.dtype.is_floating_point:
+        raise TypeError(f"combine_pairs_triton: topk_ids must be a 2-D integer tensor [M, k], "
+                        f"got {topk_ids.dtype} {tuple(topk_ids.shape)}")
     tokens, top_k = topk_ids.shape
+    if pair_out.dtype != torch.float32 or pair_out.ndim != 2:
+        raise TypeError(f"combine_pairs_triton: pair_out must be a 2-D float32 tensor [M*k, K], "
+                        f"got {pair_out.dtype} {tuple(pair_out.shape)}")
+    if pair_out.shape[0] != tokens * top_k or (pair_out.shape[1] > 1 and pair_out.stride(1) != 1):
+        raise ValueError(f"combine_pairs_triton: pair_out must be [M*k, K] = [{tokens * top_k}, K] with unit "
+                         f"column stride, got shape {tuple(pair_out.shape)}, strides {pair_out.stride()}")
     hidden = pair_out.shape[1]
-    out = torch.empty(tokens, hidden, dtype=dtype, device=pair_out.device)
-    if tokens == 0:
+    if out is None:
+        out = torch.empty(tokens, hidden, dtype=dtype, device=pair_out.device)
+    elif out.shape != (tokens, hidden) or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"combine_pairs_triton: out must be a contiguous [{tokens}, {hidden}] {dtype} tensor, "
+                         f"got {out.dtype} {tuple(out.shape)}")
+    if tokens == 0 or hidden == 0:
         return out
     block = min(COMBINE_BLOCK, triton.next_power_of_2(hidden))
     _combine_pairs_kernel[(tokens, triton.cdiv(hidden, block))](

@@ -9,7 +9,8 @@
      output (the shared-expert add, the hyper-connection combine) and the combine costs no
      kernel and no [M, K] round trip of its own.
 
-The math equals `kernels.fp4_moe.combine_pairs`, the op's own eager epilogue.
+The math equals `kernels.moe_pairs.combine_pairs` (the spec of the eager op's epilogue, which runs
+`combine_pairs_triton`).
 """
 from __future__ import annotations
 

@@ -52,21 +52,45 @@ def test_expert_blocks_match_loop(tokens, top_k, experts, block_m):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens, top_k, experts, hidden", [(1, 1, 1, 8), (5, 3, 4, 96), (9, 6, 8, 1500)])
+@pytest.mark.parametrize("tokens, top_k, experts, hidden",
+                         [(1, 1, 1, 8), (5, 3, 4, 96), (9, 6, 8, 1500), (0, 6, 8, 96), (3, 2, 4, 0)])
 def test_combine_pairs_triton_matches_torch(tokens, top_k, experts, hidden, dtype):
-    """combine_pairs_triton == combine_pairs (the spec) with ids -1 and >= E mixed in; the rows of
-    skipped pairs hold NaN, so reading one would show. Both add the valid choices in order in f32;
-    the tolerance allows one f32 rounding per term (torch may vectorise the sum in another order),
-    and for bf16 one bf16 step (2**-7 relative): the casts may round differently (the interpreter's
-    f32 -> bf16 cast truncates)."""
+    """combine_pairs_triton == combine_pairs (the spec) with ids -1 and >= E mixed in and one token
+    whose every choice is skipped (its row must come out 0). Skipped pairs' rows hold NaN, so
+    reading one would show, and the output starts poisoned (NaN). Both add the valid choices in
+    order in f32; torch may vectorise the sum in another order, so f32 allows one rounding of the
+    largest partial sum per term (k * 2**-24 * max |partial|), and bf16 one bf16 step (2**-7
+    relative), as the casts may round differently (the interpreter's f32 -> bf16 cast truncates)."""
     gen = torch.Generator().manual_seed(tokens * 7 + hidden)
     ids = torch.randint(-1, experts + 2, (tokens, top_k), generator=gen).to(torch.int32)
+    if tokens:
+        ids[-1] = torch.tensor([-1, experts] * top_k)[:top_k]
     pairs = torch.randn(tokens * top_k, hidden, generator=gen)
-    skipped = ((ids < 0) | (ids >= experts)).reshape(-1)
-    pairs[skipped] = float("nan")
+    pairs[((ids < 0) | (ids >= experts)).reshape(-1)] = float("nan")
     want = moe_pairs.combine_pairs(pairs, ids, experts, dtype)
-    got = moe_pairs.combine_pairs_triton(pairs, ids, experts, dtype)
-    assert got.dtype == dtype and got.shape == (tokens, hidden)
+    out = torch.full((tokens, hidden), float("nan"), dtype=dtype)
+    got = moe_pairs.combine_pairs_triton(pairs, ids, experts, dtype, out=out)
+    assert got is out and got.shape == (tokens, hidden)
     assert not got.isnan().any()
-    rtol = 2 ** -7 if dtype == torch.bfloat16 else 4 * top_k * 2 ** -24
-    torch.testing.assert_close(got, want, rtol=rtol, atol=rtol)
+    if tokens and hidden:
+        assert not got[-1].any()  # every choice skipped
+    if dtype == torch.bfloat16:
+        torch.testing.assert_close(got, want, rtol=2 ** -7, atol=2 ** -7)
+    else:
+        partial = pairs.nan_to_num(0.0).abs().view(tokens, top_k, hidden).sum(1).max() if got.numel() else 0.0
+        torch.testing.assert_close(got, want, rtol=0, atol=top_k * 2 ** -24 * float(partial) + 1e-30)
+
+
+def test_combine_pairs_triton_rejects_bad_arguments():
+    ids = torch.zeros(2, 3, dtype=torch.int32)
+    pairs = torch.randn(6, 32)
+    with pytest.raises(ValueError, match="pair_out"):
+        moe_pairs.combine_pairs_triton(pairs[:5], ids, 4, torch.float32)
+    with pytest.raises(ValueError, match="pair_out"):
+        moe_pairs.combine_pairs_triton(torch.randn(32, 6).t(), ids, 4, torch.float32)
+    with pytest.raises(TypeError, match="pair_out"):
+        moe_pairs.combine_pairs_triton(pairs.double(), ids, 4, torch.float32)
+    with pytest.raises(TypeError, match="topk_ids"):
+        moe_pairs.combine_pairs_triton(pairs, ids.float(), 4, torch.float32)
+    with pytest.raises(ValueError, match="out must be"):
+        moe_pairs.combine_pairs_triton(pairs, ids, 4, torch.float32, out=torch.empty(2, 32, dtype=torch.bfloat16))
