@@ -270,6 +270,34 @@ def _ids_ahead(pt_ptr, ks_ptr, b, page, n_pages, SPLITS, P, spt_b, spt_j, sks_p,
 
 
 @triton.jit
+def _page_turn(page, nxt, nxt2, nxt_scale, lens0, q_cols, w_cols, q_ptr, w_ptr, k_ptr, ks_ptr, pt_ptr,
+               lens_ptr, ws_ptr, stats_ptr, b, n_pages, T, H, D, P, S_MAX, N_PAGES, SPLITS,
+               sq_b, sq_t, sq_h, sq_d, sw_b, sw_t, sw_h, sk_p, sk_s, sk_d, sks_p, sks_s, spt_b, spt_j,
+               sl_b, sl_t, N_TBLOCKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+               BLOCK_D: tl.constexpr, PAGE: tl.constexpr, HAS_SCALE: tl.constexpr, DOT_DTYPE: tl.constexpr,
+               PRECISION: tl.constexpr, STATS: tl.constexpr, ID_AHEAD: tl.constexpr, SCALE_AHEAD: tl.constexpr,
+               PIN_IDS: tl.constexpr):
+    """One step of the scoring loop at logical page `page`: score it and return the next step's
+    (nxt, nxt2, nxt_scale) (see `_score_pages_kernel`)."""
+    phys = nxt
+    if ID_AHEAD and not SCALE_AHEAD:
+        nxt = _page_id(pt_ptr, b, page + SPLITS, n_pages, spt_b, spt_j)
+    elif not ID_AHEAD:
+        phys = _page_id(pt_ptr, b, page, n_pages, spt_b, spt_j)
+    _score_page(page, phys, nxt_scale, lens0, q_cols, w_cols, q_ptr, w_ptr, k_ptr,
+                ks_ptr, lens_ptr, ws_ptr, stats_ptr, b, T, H, D, P, S_MAX, N_PAGES,
+                sq_b, sq_t, sq_h, sq_d, sw_b, sw_t, sw_h,
+                sk_p, sk_s, sk_d, sks_p, sks_s, sl_b, sl_t,
+                N_TBLOCKS, BLOCK_T, BLOCK_H, BLOCK_D, PAGE, HAS_SCALE, DOT_DTYPE,
+                PRECISION, STATS, SCALE_AHEAD)
+    if SCALE_AHEAD:  # after this page's epilogue, in the registers it freed
+        nxt, nxt2, nxt_scale = _ids_ahead(pt_ptr, ks_ptr, b, page, n_pages, SPLITS, P,
+                                          spt_b, spt_j, sks_p, sks_s, nxt2, PAGE,
+                                          HAS_SCALE, PIN_IDS)
+    return nxt, nxt2, nxt_scale
+
+
+@triton.jit
 def _score_pages_kernel(
     q_ptr, w_ptr, k_ptr, ks_ptr, pt_ptr, lens_ptr, ws_ptr, stats_ptr,
     T, H, D, P, S_MAX, N_PAGES, SPLITS, TOPK,
@@ -309,39 +337,21 @@ def _score_pages_kernel(
             nxt_scale = _page_scale(ks_ptr, nxt, P, sks_p, sks_s, PAGE, HAS_SCALE)
         if FOR_LOOPS:  # software-pipelined on the GPU
             for page in range(split, n_pages, SPLITS):
-                phys = nxt
-                if ID_AHEAD and not SCALE_AHEAD:
-                    nxt = _page_id(pt_ptr, b, page + SPLITS, n_pages, spt_b, spt_j)
-                elif not ID_AHEAD:
-                    phys = _page_id(pt_ptr, b, page, n_pages, spt_b, spt_j)
-                _score_page(page, phys, nxt_scale, lens0, q_cols, w_cols, q_ptr, w_ptr, k_ptr,
-                            ks_ptr, lens_ptr, ws_ptr, stats_ptr, b, T, H, D, P, S_MAX, N_PAGES,
-                            sq_b, sq_t, sq_h, sq_d, sw_b, sw_t, sw_h,
-                            sk_p, sk_s, sk_d, sks_p, sks_s, sl_b, sl_t,
-                            N_TBLOCKS, BLOCK_T, BLOCK_H, BLOCK_D, PAGE, HAS_SCALE, DOT_DTYPE,
-                            PRECISION, STATS, SCALE_AHEAD)
-                if SCALE_AHEAD:  # after this page's epilogue, in the registers it freed
-                    nxt, nxt2, nxt_scale = _ids_ahead(pt_ptr, ks_ptr, b, page, n_pages, SPLITS, P,
-                                                      spt_b, spt_j, sks_p, sks_s, nxt2, PAGE,
-                                                      HAS_SCALE, PIN_IDS)
+                nxt, nxt2, nxt_scale = _page_turn(
+                    page, nxt, nxt2, nxt_scale, lens0, q_cols, w_cols, q_ptr, w_ptr, k_ptr, ks_ptr, pt_ptr,
+                    lens_ptr, ws_ptr, stats_ptr, b, n_pages, T, H, D, P, S_MAX, N_PAGES, SPLITS,
+                    sq_b, sq_t, sq_h, sq_d, sw_b, sw_t, sw_h, sk_p, sk_s, sk_d, sks_p, sks_s, spt_b, spt_j,
+                    sl_b, sl_t, N_TBLOCKS, BLOCK_T, BLOCK_H, BLOCK_D, PAGE, HAS_SCALE, DOT_DTYPE, PRECISION,
+                    STATS, ID_AHEAD, SCALE_AHEAD, PIN_IDS)
         else:  # the interpreter (numpy >= 2.4) cannot take its 1-element tensors as range()
             page = split
             while page < n_pages:
-                phys = nxt
-                if ID_AHEAD and not SCALE_AHEAD:
-                    nxt = _page_id(pt_ptr, b, page + SPLITS, n_pages, spt_b, spt_j)
-                elif not ID_AHEAD:
-                    phys = _page_id(pt_ptr, b, page, n_pages, spt_b, spt_j)
-                _score_page(page, phys, nxt_scale, lens0, q_cols, w_cols, q_ptr, w_ptr, k_ptr,
-                            ks_ptr, lens_ptr, ws_ptr, stats_ptr, b, T, H, D, P, S_MAX, N_PAGES,
-                            sq_b, sq_t, sq_h, sq_d, sw_b, sw_t, sw_h,
-                            sk_p, sk_s, sk_d, sks_p, sks_s, sl_b, sl_t,
-                            N_TBLOCKS, BLOCK_T, BLOCK_H, BLOCK_D, PAGE, HAS_SCALE, DOT_DTYPE,
-                            PRECISION, STATS, SCALE_AHEAD)
-                if SCALE_AHEAD:  # after this page's epilogue, in the registers it freed
-                    nxt, nxt2, nxt_scale = _ids_ahead(pt_ptr, ks_ptr, b, page, n_pages, SPLITS, P,
-                                                      spt_b, spt_j, sks_p, sks_s, nxt2, PAGE,
-                                                      HAS_SCALE, PIN_IDS)
+                nxt, nxt2, nxt_scale = _page_turn(
+                    page, nxt, nxt2, nxt_scale, lens0, q_cols, w_cols, q_ptr, w_ptr, k_ptr, ks_ptr, pt_ptr,
+                    lens_ptr, ws_ptr, stats_ptr, b, n_pages, T, H, D, P, S_MAX, N_PAGES, SPLITS,
+                    sq_b, sq_t, sq_h, sq_d, sw_b, sw_t, sw_h, sk_p, sk_s, sk_d, sks_p, sks_s, spt_b, spt_j,
+                    sl_b, sl_t, N_TBLOCKS, BLOCK_T, BLOCK_H, BLOCK_D, PAGE, HAS_SCALE, DOT_DTYPE, PRECISION,
+                    STATS, ID_AHEAD, SCALE_AHEAD, PIN_IDS)
                 page += SPLITS
 
 
