@@ -57,6 +57,7 @@ def _importable_from_checkout() -> None:
 _importable_from_checkout()
 
 from dsv4_compile.kernels import fp4_moe as moe  # noqa: E402
+from dsv4_compile.kernels.moe_pairs import combine_pairs, combine_pairs_triton  # noqa: E402
 from dsv4_compile.fp4_tiles import experts_split_into_tiles, tile_fp4  # noqa: E402
 from dsv4_compile.model.hotspots import moe_experts_fp4  # noqa: E402
 
@@ -214,7 +215,7 @@ def run_case(fmt, tokens, cfg, w, w_tiled, bf16_weights, timer, device, gen, com
     if fmt == "mxfp4" and device == "cuda" and tokens == 8:
         try:
             pairs = moe.fp4_moe_pairs_triton(*args, use_dot_scaled=True)
-            forced = moe.combine_pairs(pairs, ids, experts, x.dtype).float()
+            forced = combine_pairs(pairs, ids, experts, x.dtype).float()
             row["dot_scaled_err_rel"] = (forced - want).abs().max().item() / max(scale, 1e-6)
         except Exception as exc:  # the sm_100 path may not build on this arch: record, do not abort
             row["dot_scaled_err_rel"] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
@@ -342,7 +343,7 @@ def sweep_case(fmt, tokens, cfg, w, timer, device, gen, candidates) -> list[dict
     for config in candidates:
         def run(config=config):
             pairs = moe.fp4_moe_pairs_triton(*args, config=config)
-            return moe.combine_pairs_triton(pairs, ids, experts, x.dtype)  # as the op
+            return combine_pairs_triton(pairs, ids, experts, x.dtype)  # as the op
 
         before = _compiled_keys()
         row = dict(fmt=fmt, M=tokens, config=dataclasses.asdict(config), default=config == default)

@@ -23,6 +23,7 @@ import torch
 
 from bench import bench_fp4_moe, bench_indexer, bench_sparse_mla
 from dsv4_compile.kernels import fp4_moe, indexer_topk, sparse_mla
+from dsv4_compile.kernels.moe_pairs import combine_pairs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from helpers import LARGE_INDEX_PAGES, LARGE_POOL_ROWS, large_indexer_inputs, large_sparse_mla_inputs  # noqa: E402
@@ -122,13 +123,13 @@ def fp4_moe_cases(gen: torch.Generator) -> None:
             outs = {"default": fp4_moe.fp4_moe(*args)}
             for name, config in FORCED_CONFIGS.items():
                 pairs = fp4_moe.fp4_moe_pairs_triton(*args, config=config)
-                outs[name] = fp4_moe.combine_pairs(pairs, ids, 256, x.dtype)
+                outs[name] = combine_pairs(pairs, ids, 256, x.dtype)
             tiled_args = bench_fp4_moe.op_args(x, ids, topk_weights, tiled)
             outs["tiled default"] = fp4_moe.fp4_moe(*tiled_args)
             for name in TILED_FORCED:
                 config = FORCED_CONFIGS.get(name) or fp4_moe.DEFAULT_CONFIGS[name]
                 pairs = fp4_moe.fp4_moe_pairs_triton(*tiled_args, config=config)
-                outs[f"tiled {name}"] = fp4_moe.combine_pairs(pairs, ids, 256, x.dtype)
+                outs[f"tiled {name}"] = combine_pairs(pairs, ids, 256, x.dtype)
             for name, out in outs.items():
                 torch.cuda.synchronize()
                 # bf16 output of an f32-accumulated K=4096/I=2048 product: 2**-7 of the output scale.

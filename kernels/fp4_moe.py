@@ -41,7 +41,6 @@ from dsv4_compile.fp4 import dequantize_mxfp4, dequantize_nvfp4
 from dsv4_compile.fp4_tiles import TILE_COLS, TILE_ROWS, is_tiled, logical_shape, untile_matrix
 
 from ._runtime import triton_runs_on
-from .moe_pairs import combine_pairs  # noqa: F401  (the op's spec epilogue, as moe.combine_pairs for tests and bench)
 from .moe_pairs import combine_pairs_triton, expert_blocks
 
 logger = logging.getLogger("dsv4_compile")
@@ -1156,19 +1155,22 @@ def fp4_moe_pairs_triton(
     if config.path != "mma":
         x_in, h_in, gate_up_extra, down_extra = x, hidden_rows, {}, {}
     num_blocks = block_expert.numel()
-    # K, I, k are constexpr: fixed per model, and loop bounds the interpreter (numpy >= 2.4) accepts.
     # The mma kernels take the column tile as program_id(0): launch order then runs an expert's
     # tiles together and the empty blocks (at the table's end) last, where their programs only fill
     # the final wave's free slots instead of taking slots in every wave.
-    mma = config.path == "mma"
-    gate_up[(triton.cdiv(inter, block_n), num_blocks) if mma else (num_blocks, triton.cdiv(inter, block_n))](
+    def grid(columns: int) -> tuple[int, int]:
+        tiles = triton.cdiv(columns, block_n)
+        return (tiles, num_blocks) if config.path == "mma" else (num_blocks, tiles)
+
+    # K, I, k are constexpr: fixed per model, and loop bounds the interpreter (numpy >= 2.4) accepts.
+    gate_up[grid(inter)](
         x_in, order, block_expert, block_start, block_end, w13, s13, g13, hidden_rows,
         experts,
         x_in.stride(0), w13.stride(0), _row_step(w13), s13.stride(0), s13.stride(1), hidden_rows.stride(0),
         float(swiglu_limit) if swiglu_limit is not None else 0.0,
         K=hidden, I=inter, TOP_K=top_k, HAS_LIMIT=swiglu_limit is not None, **common, **gate_up_extra,
     )
-    down[(triton.cdiv(hidden, block_n), num_blocks) if mma else (num_blocks, triton.cdiv(hidden, block_n))](
+    down[grid(hidden)](
         h_in, order, block_expert, block_start, block_end, weights, w2, s2, g2, pair_out,
         experts,
         h_in.stride(0), w2.stride(0), _row_step(w2), s2.stride(0), s2.stride(1), pair_out.stride(0),

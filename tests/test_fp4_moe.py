@@ -5,6 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dsv4_compile.kernels import fp4_moe as moe
+from dsv4_compile.kernels.moe_pairs import combine_pairs
 from dsv4_compile.model.hotspots import moe_experts_fp4
 from helpers import make_experts
 
@@ -77,7 +78,7 @@ def test_kernel_matches_reference(tokens, experts, top_k, inter, hidden, fmt, ro
     valid = ((ids >= 0) & (ids < experts)).reshape(-1)
     assert not pairs[valid].isnan().any()
     want = moe.fp4_moe_reference(*_args(x, ids, weights, w, limit))
-    assert_close_scaled(moe.combine_pairs(pairs, ids, experts, dtype), want, dtype)
+    assert_close_scaled(combine_pairs(pairs, ids, experts, dtype), want, dtype)
     if config is None:  # the op takes the same launch; run it once per rule-chosen example only
         got = torch.ops.dsv4.fp4_moe(*_args(x, ids, weights, w, limit))
         assert got.dtype == dtype and got.shape == x.shape
@@ -149,7 +150,7 @@ def test_out_of_range_ids_skipped_by_kernel():
     ids = torch.tensor([[1, 5]], dtype=torch.int32).expand(2, 2).contiguous()
     weights = torch.rand(2, 2) + 0.1
     pairs = moe.fp4_moe_pairs_triton(*_args(x, ids, weights, w, None))
-    got = moe.combine_pairs(pairs, ids, 2, x.dtype)
+    got = combine_pairs(pairs, ids, 2, x.dtype)
     want = moe.fp4_moe_reference(*_args(x, torch.tensor([[1, -1]] * 2, dtype=torch.int32), weights, w, None))
     assert_close_scaled(got, want, torch.float32)
 
@@ -191,7 +192,7 @@ def test_each_path_matches_reference(path_config, fmt):
     valid = ((ids >= 0) & (ids < experts)).reshape(-1)
     assert not pairs[valid].isnan().any()
     want = moe.fp4_moe_reference(*_args(x, ids, weights, w, 0.5))
-    assert_close_scaled(moe.combine_pairs(pairs, ids, experts, x.dtype), want, torch.float32)
+    assert_close_scaled(combine_pairs(pairs, ids, experts, x.dtype), want, torch.float32)
 
 
 @pytest.mark.parametrize("name", ["mma_one", "mma"])
@@ -209,7 +210,7 @@ def test_mma_several_scale_groups_per_lane(fmt, name):
     assert config.block_k == hidden
     pairs = moe.fp4_moe_pairs_triton(*_args(x, ids, weights, w, None), pair_out=pair_out, config=config)
     want = moe.fp4_moe_reference(*_args(x, ids, weights, w, None))
-    assert_close_scaled(moe.combine_pairs(pairs, ids, experts, x.dtype), want, torch.float32)
+    assert_close_scaled(combine_pairs(pairs, ids, experts, x.dtype), want, torch.float32)
 
 
 @pytest.mark.parametrize(
@@ -225,7 +226,7 @@ def test_all_tokens_on_one_expert(config):
     x = torch.randn(9, 64, generator=torch.Generator().manual_seed(14)).to(torch.bfloat16)
     pairs = moe.fp4_moe_pairs_triton(*_args(x, ids, weights, w, None), config=config)
     want = moe.fp4_moe_reference(*_args(x, ids, weights, w, None))
-    assert_close_scaled(moe.combine_pairs(pairs, ids, 4, x.dtype), want, torch.bfloat16)
+    assert_close_scaled(combine_pairs(pairs, ids, 4, x.dtype), want, torch.bfloat16)
 
 
 @pytest.mark.parametrize(
@@ -324,7 +325,7 @@ def test_mma_path_scale_limit(code, finite):
     want = moe.fp4_moe_reference(*_args(x, ids, weights, w, None))
     assert want.isfinite().all()
     config = moe.TileConfig("mma", 8, 16, 32, num_warps=1)
-    got = moe.combine_pairs(moe.fp4_moe_pairs_triton(*_args(x, ids, weights, w, None), config=config), ids, 2,
+    got = combine_pairs(moe.fp4_moe_pairs_triton(*_args(x, ids, weights, w, None), config=config), ids, 2,
                             x.dtype)
     if finite:
         assert_close_scaled(got, want, torch.float32)
