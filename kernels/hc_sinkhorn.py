@@ -5,8 +5,8 @@ near doubly-stochastic matrix: softmax over the last dim plus eps, then one colu
 and `iters - 1` rounds of (row, column) normalisations, each x / (x.sum(dim, keepdim) + eps).
 Inductor inlines the alternating sums into pointwise kernels that recompute them (their work
 grows with the step count) and that cost the same at any batch (~143 us each on the H200 at
-iters = 20). The kernel here keeps a block of matrices in registers, runs every step there and
-writes once.
+iters = 20). The kernel here keeps each matrix in the registers of one warp, runs every step
+there and writes once.
 """
 from __future__ import annotations
 
@@ -20,8 +20,11 @@ import triton.language as tl
 from dsv4_compile.kernels._runtime import triton_runs_on
 
 MATRIX_SIZES = (1, 2, 4, 8, 16)
-# Matrix elements per program: 32 matrices of 4 x 4, spread over 4 warps.
-_TILE_ELEMENTS = 512
+# One matrix per one-warp program: the kernel is a chain of 2 * iters dependent normalisations, so
+# more matrices per program only lengthen it. H200, iters 20, 64 or 256 matrices of 4 x 4: 3.6 us
+# vs 12.6 us for 32 matrices on 4 warps, 6.6 us for 8 on one warp (bench/RESULTS.md, eighth session).
+DEFAULT_BLOCK_M = 1
+DEFAULT_WARPS = 1
 
 
 # --------------------------------------------------------------------------------------------
@@ -57,8 +60,8 @@ def _sinkhorn_kernel(comb_ptr, out_ptr, M, eps,
     tl.store(out_ptr + offsets, x, mask=mask)
 
 
-def hc_sinkhorn_triton(comb: torch.Tensor, iters: int, eps: float, *, block_m: int | None = None,
-                       num_warps: int = 4, out: torch.Tensor | None = None) -> torch.Tensor:
+def hc_sinkhorn_triton(comb: torch.Tensor, iters: int, eps: float, *, block_m: int = DEFAULT_BLOCK_M,
+                       num_warps: int = DEFAULT_WARPS, out: torch.Tensor | None = None) -> torch.Tensor:
     """Launch the kernel on checked arguments (as `hc_sinkhorn`); returns out [..., n, n] f32,
     contiguous. block_m (matrices per program, a power of two) and num_warps override the
     launch config; `out` may be a caller's contiguous tensor of comb's shape."""
@@ -69,7 +72,6 @@ def hc_sinkhorn_triton(comb: torch.Tensor, iters: int, eps: float, *, block_m: i
     matrices = comb.numel() // (n * n)
     if matrices == 0:
         return out
-    block_m = block_m or min(triton.next_power_of_2(matrices), max(1, _TILE_ELEMENTS // (n * n)))
     _sinkhorn_kernel[(triton.cdiv(matrices, block_m),)](
         comb, out, matrices, float(eps), N=n, ITERS=iters, BLOCK_M=block_m, num_warps=num_warps)
     return out

@@ -41,10 +41,10 @@ def test_smallest_and_largest_matrices(n):
     torch.testing.assert_close(out, hc_sinkhorn_reference(comb, 20, EPS), rtol=RTOL, atol=0)
 
 
-@pytest.mark.parametrize("block_m", [None, 4])
-def test_several_programs_and_a_partial_last_block(block_m):
-    comb = make_comb((70,), 4, seed=3)  # 70 matrices: 3 programs of 32 (default) or 18 of 4
-    out = hc_sinkhorn_triton(comb, 20, EPS, block_m=block_m, out=poisoned(comb))
+@pytest.mark.parametrize("block_m, num_warps", [(1, 1), (4, 1), (32, 4)])
+def test_several_programs_and_a_partial_last_block(block_m, num_warps):
+    comb = make_comb((70,), 4, seed=3)  # 70 matrices: 70 programs of 1 (default), 18 of 4 or 3 of 32
+    out = hc_sinkhorn_triton(comb, 20, EPS, block_m=block_m, num_warps=num_warps, out=poisoned(comb))
     torch.testing.assert_close(out, hc_sinkhorn_reference(comb, 20, EPS), rtol=RTOL, atol=0)
 
 
