@@ -38,6 +38,9 @@ from ._runtime import triton_runs_on
 LOG2E = 1.4426950408889634
 SCALE_GROUP = 64  # nope dims per ue8m0 exponent in FP8 rows
 SPLIT_TILE = 32  # index positions per tile; split-K hands each split a run of whole tiles
+# Splits the combine kernel merges at a time: [16, 512] f32 partial rows are 64 values a thread on
+# 4 warps; all splits at once spilled registers at B=1, where an HCA layer over max context has ~130.
+COMBINE_SPLITS = 16
 
 
 # ----------------------------------------------------------------------------- reference
@@ -583,26 +586,38 @@ def _sparse_mla_fwd(
 def _sparse_mla_combine(part_lse_ptr, part_out_ptr, sink_ptr, out_ptr, H, num_splits,
                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
                         HAS_SINK: tl.constexpr):
-    """One program per (b, t, h): merges the split partials (`combine_partials_reference`)."""
+    """One program per (b, t, h): merges the split partials (`combine_partials_reference`),
+    BLOCK_S splits at a time; the partial rows of splits with lse = -inf (no selected row) are
+    never read, so a long index list with few valid positions costs what its valid splits do."""
     bth = tl.program_id(0).to(tl.int64)
-    offs_s = tl.arange(0, BLOCK_S)
-    s_ok = offs_s < num_splits
-    lse_s = tl.load(part_lse_ptr + bth * num_splits + offs_s, mask=s_ok, other=float("-inf"))
-    lse_s = lse_s * 1.4426950408889634
-    m_all = tl.max(lse_s, axis=0)
+    lse_row = part_lse_ptr + bth * num_splits
+    m_all = -float("inf")
     if HAS_SINK:
         sink = tl.load(sink_ptr + bth % H) * 1.4426950408889634
-        m_all = tl.maximum(m_all, sink)
+        m_all = sink
+    s0 = 0
+    while s0 < num_splits:  # while loops: the interpreter cannot range() over its scalar arguments
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        lse_s = tl.load(lse_row + offs_s, mask=offs_s < num_splits, other=float("-inf"))
+        m_all = tl.maximum(m_all, tl.max(lse_s * 1.4426950408889634, axis=0))
+        s0 += BLOCK_S
     m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
-    w_s = tl.exp2(lse_s - m_all)
-    denom = tl.sum(w_s, axis=0)
+    denom = 0.0
     if HAS_SINK:
-        denom += tl.exp2(sink - m_all)
+        denom = tl.exp2(sink - m_all)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    acc_s = tl.load(part_out_ptr + (bth * num_splits + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-    out = tl.sum(acc_s * w_s[:, None], axis=0)
+    out = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    s0 = 0
+    while s0 < num_splits:
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        lse_s = tl.load(lse_row + offs_s, mask=offs_s < num_splits, other=float("-inf"))
+        w_s = tl.exp2(lse_s * 1.4426950408889634 - m_all)
+        denom += tl.sum(w_s, axis=0)
+        rows = part_out_ptr + (bth * num_splits + offs_s)[:, None] * HEAD_DIM + offs_d[None, :]
+        acc_s = tl.load(rows, mask=(w_s > 0)[:, None] & d_ok[None, :], other=0.0)
+        out += tl.sum(acc_s * w_s[:, None], axis=0)
+        s0 += BLOCK_S
     out = tl.where(denom > 0, out / tl.where(denom > 0, denom, 1.0), 0.0)
     tl.store(out_ptr + bth * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
@@ -713,6 +728,21 @@ class KernelLaunch:
     meta: dict
 
 
+def combine_launch(part_lse: torch.Tensor, part_out: torch.Tensor, sink: torch.Tensor | None,
+                   out: torch.Tensor) -> KernelLaunch:
+    """The combine kernel's launch for partials out [B,T,H,S,D] f32 and lse [B,T,H,S] f32 (both
+    contiguous), sink [H] f32 or None, into out [B,T,H,D] (contiguous)."""
+    batch, tokens, heads, splits, head_dim = part_out.shape
+    return KernelLaunch(
+        _sparse_mla_combine,
+        (batch * tokens * heads,),
+        (part_lse, part_out, sink if sink is not None else part_lse, out, heads, splits),
+        dict(HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+             BLOCK_S=min(triton.next_power_of_2(splits), COMBINE_SPLITS), HAS_SINK=sink is not None,
+             num_warps=4),
+    )
+
+
 def plan_sparse_mla(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx, sink, scale,
                     out: torch.Tensor | None, num_splits: int | None = None,
                     config: LaunchConfig | None = None,
@@ -746,8 +776,8 @@ def plan_sparse_mla(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx, s
         part_out, part_lse = partials
         out = part_out
     elif split:
-        part_lse = torch.empty((batch * tokens * heads * cfg.num_splits,), dtype=torch.float32, device=q.device)
-        part_out = torch.empty((batch * tokens * heads * cfg.num_splits * head_dim,), dtype=torch.float32,
+        part_lse = torch.empty((batch, tokens, heads, cfg.num_splits), dtype=torch.float32, device=q.device)
+        part_out = torch.empty((batch, tokens, heads, cfg.num_splits, head_dim), dtype=torch.float32,
                                device=q.device)
     else:
         part_lse = part_out = out
@@ -782,14 +812,7 @@ def plan_sparse_mla(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx, s
     )
     if not split or partials is not None:
         return [fwd]
-    combine = KernelLaunch(
-        _sparse_mla_combine,
-        (batch * tokens * heads,),
-        (part_lse, part_out, sink_arg, out, heads, cfg.num_splits),
-        dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(cfg.num_splits),
-             HAS_SINK=sink is not None, num_warps=4),
-    )
-    return [fwd, combine]
+    return [fwd, combine_launch(part_lse, part_out, sink, out)]
 
 
 def sparse_mla_triton(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx, sink, scale,

@@ -14,7 +14,10 @@ from hypothesis import given, strategies as st
 
 from dsv4_compile.kernels import sparse_mla as sparse_mla_module
 from dsv4_compile.kernels.sparse_mla import (
+    COMBINE_SPLITS,
     LaunchConfig,
+    combine_launch,
+    combine_partials_reference,
     pick_config,
     plan_sparse_mla,
     sparse_mla_partials_reference,
@@ -119,6 +122,37 @@ def test_all_indices_skipped_gives_zeros(layer, num_splits):
     args = inputs(1, 2, 2, 3, "bf16", layer, 20, 20, all_skip=True)
     got = check(args, num_splits)
     assert torch.equal(got, torch.zeros_like(got))
+
+
+@pytest.mark.parametrize("splits", [1, 5, COMBINE_SPLITS, COMBINE_SPLITS + 1, 3 * COMBINE_SPLITS + 7])
+@pytest.mark.parametrize("with_sink", [True, False])
+def test_combine_kernel_matches_reference_and_skips_empty_splits(splits, with_sink):
+    """The combine kernel, BLOCK_S splits at a time, vs combine_partials_reference. The partial rows
+    of empty splits (lse -inf; zeros by the partials' contract) hold NaN here: reading one would
+    poison the output. f32 output: exp2 vs exp and the summation order differ by a few ulp."""
+    gen = torch.Generator().manual_seed(splits * 2 + with_sink)
+    batch, tokens, heads, dim = 2, 3, 3, 48  # dim 48: BLOCK_D 64, masked columns
+    empty = torch.rand(batch, tokens, heads, splits, generator=gen) < 0.6
+    empty[0, 0, 0] = True  # a row with no selected position at all
+    lse = (torch.randn(batch, tokens, heads, splits, generator=gen) * 3).masked_fill(empty, float("-inf"))
+    parts = torch.randn(batch, tokens, heads, splits, dim, generator=gen).masked_fill(empty[..., None], 0.0)
+    sink = torch.randn(heads, generator=gen) if with_sink else None
+    want = combine_partials_reference(parts, lse, sink, torch.float32)
+    out = torch.full((batch, tokens, heads, dim), float("nan"))
+    launch = combine_launch(lse, parts.masked_fill(empty[..., None], float("nan")), sink, out)
+    launch.kernel[launch.grid](*launch.args, **launch.meta)
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-5)
+    if not with_sink:
+        assert torch.equal(out[0, 0, 0], torch.zeros(dim))
+
+
+def test_many_splits_over_a_long_mostly_empty_list():
+    """More splits than the combine merges at a time, most of them over -1 positions only (as an
+    HCA list over max context at a short real length)."""
+    q, kv, kv_scale, idx, ekv, escale, eidx, sink, scale = inputs(5, 1, 2, 3, "bf16", "hca", 20, 20)
+    tail = torch.full((1, 2, 40 * 32), -1, dtype=torch.int32)
+    check((q, kv, kv_scale, idx, ekv, escale, torch.cat([eidx, tail], dim=2), sink, scale),
+          num_splits=2 * COMBINE_SPLITS + 3)
 
 
 @pytest.mark.parametrize("extra_len", [0, 16])
