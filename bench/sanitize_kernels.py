@@ -61,7 +61,8 @@ def indexer_cases(gen: torch.Generator) -> None:
 
 def sparse_mla_cases() -> None:
     """Dh=512, H=64, window 128 + CSA top-k 512 or HCA 1,024 entries; bf16 and FP8 rows; T in {1, 4};
-    with -1 holes, out-of-range rows and one token with nothing selected."""
+    with -1 holes, out-of-range rows and one token with nothing selected; then an HCA list over max
+    context with few valid positions (many splits)."""
     for layer, extra_len in (("csa", 512), ("hca", 1024)):
         for fmt in ("bf16", "fp8"):
             for tokens in (1, 4):
@@ -82,6 +83,18 @@ def sparse_mla_cases() -> None:
                 assert err <= 2 ** -7 * max(1.0, ref.float().abs().max().item()), f"sparse_mla err {err}"
                 assert bool((out[1, -1] == 0).all()), "a token with nothing selected must give zeros"
                 print(f"sparse_mla {layer} {fmt} T={tokens}: ok (max abs err {err:.2e})", flush=True)
+    # HCA over max context at a short real length (B=1): 8,192 c128 positions, the last 7,168 of them
+    # -1, so the split-K pass has ~130 splits and the combine skips the empty splits' partial rows.
+    for tokens in (1, 4):
+        case = bench_sparse_mla.Case("sanitize", 1, tokens, 64, "hca", "bf16", 1024)
+        args = list(bench_sparse_mla.make_inputs(case, DEVICE))
+        args[6] = torch.cat([args[6], torch.full((1, tokens, 7168), -1, dtype=torch.int32, device=DEVICE)], dim=2)
+        out = sparse_mla.sparse_mla(*args)
+        torch.cuda.synchronize()
+        ref = sparse_mla.sparse_mla_reference(*args)
+        err = (out.float() - ref.float()).abs().max().item()
+        assert err <= 2 ** -7 * max(1.0, ref.float().abs().max().item()), f"sparse_mla err {err}"
+        print(f"sparse_mla hca bf16 B=1 T={tokens} over 8,192 positions: ok (max abs err {err:.2e})", flush=True)
 
 
 # Forced configs besides the op's default launch: the GEMV loop that loads one K step ahead (its last
