@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from bench import bench_fp4_moe, bench_indexer, bench_sparse_mla
-from dsv4_compile.kernels import fp4_moe, indexer_topk, sparse_mla
+from dsv4_compile.kernels import fp4_moe, hc_sinkhorn, indexer_topk, sparse_mla
 from dsv4_compile.kernels.moe_pairs import combine_pairs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -173,8 +173,20 @@ def large_pool_cases(gen: torch.Generator) -> None:
           f"(max abs err {err:.2e})", flush=True)
 
 
+def hc_sinkhorn_cases(gen: torch.Generator) -> None:
+    """The mHC comb matrices (4 x 4, 20 rounds) of 1, 64 and 257 tokens, and 16 x 16 ones."""
+    for matrices, n in ((1, 4), (64, 4), (257, 4), (5, 16)):
+        comb = torch.softmax(torch.randn(matrices, n, n, device=DEVICE, generator=gen), dim=-1) + 1e-6
+        out = hc_sinkhorn.hc_sinkhorn(comb, 20, 1e-6)
+        torch.cuda.synchronize()
+        # f32 throughout, correctly rounded divisions: a few ulp of values below 1.
+        err = (out - hc_sinkhorn.hc_sinkhorn_reference(comb, 20, 1e-6)).abs().max().item()
+        assert err <= 1e-6, f"hc_sinkhorn err {err}"
+        print(f"hc_sinkhorn {matrices} x {n}x{n}: ok (max abs err {err:.2e})", flush=True)
+
+
 CASES = {"indexer": indexer_cases, "sparse_mla": lambda gen: sparse_mla_cases(),
-         "fp4_moe": fp4_moe_cases, "large_pools": large_pool_cases}
+         "fp4_moe": fp4_moe_cases, "large_pools": large_pool_cases, "hc_sinkhorn": hc_sinkhorn_cases}
 
 
 def main() -> int:
