@@ -20,9 +20,10 @@ import triton.language as tl
 from dsv4_compile.kernels._runtime import triton_runs_on
 
 MATRIX_SIZES = (1, 2, 4, 8, 16)
-# One matrix per one-warp program: the kernel is a chain of 2 * iters dependent normalisations, so
-# more matrices per program only lengthen it. H200, iters 20, 64 or 256 matrices of 4 x 4: 3.6 us
-# vs 12.6 us for 32 matrices on 4 warps, 6.6 us for 8 on one warp (bench/RESULTS.md, eighth session).
+# One matrix per one-warp program: the kernel is a chain of 2 * iters - 1 dependent normalisations,
+# and more matrices per program lengthened it. H200, iters 20, 64 or 256 matrices of 4 x 4: 3.6 us
+# vs 12.6 us for 32 matrices on 4 warps, 6.6 us for 8 on one warp (bench/RESULTS.md, eighth
+# session); prefill-sized batches were not timed.
 DEFAULT_BLOCK_M = 1
 DEFAULT_WARPS = 1
 
