@@ -59,6 +59,17 @@ def indexer_cases(gen: torch.Generator) -> None:
                   flush=True)
 
 
+def _sparse_mla_checked(args: list) -> tuple[torch.Tensor, float]:
+    """(out, max abs error) of the op on `args` against its reference (which also skips out-of-range
+    rows); bf16 output of f32 softmax/accumulation: within 1 bf16 ulp of O(1) values, 2**-7 abs."""
+    out = sparse_mla.sparse_mla(*args)
+    torch.cuda.synchronize()
+    ref = sparse_mla.sparse_mla_reference(*args)
+    err = (out.float() - ref.float()).abs().max().item()
+    assert err <= 2 ** -7 * max(1.0, ref.float().abs().max().item()), f"sparse_mla err {err}"
+    return out, err
+
+
 def sparse_mla_cases() -> None:
     """Dh=512, H=64, window 128 + CSA top-k 512 or HCA 1,024 entries; bf16 and FP8 rows; T in {1, 4};
     with -1 holes, out-of-range rows and one token with nothing selected; then an HCA list over max
@@ -75,12 +86,7 @@ def sparse_mla_cases() -> None:
                 idx[1, -1] = -1
                 eidx[1, -1] = -1  # this token selects nothing -> zeros
                 args[3], args[6] = idx, eidx
-                out = sparse_mla.sparse_mla(*args)
-                torch.cuda.synchronize()
-                ref = sparse_mla.sparse_mla_reference(*args)  # also skips out-of-range rows
-                # bf16 output of f32 softmax/accumulation: 1 bf16 ulp of O(1) values, 2**-7 abs.
-                err = (out.float() - ref.float()).abs().max().item()
-                assert err <= 2 ** -7 * max(1.0, ref.float().abs().max().item()), f"sparse_mla err {err}"
+                out, err = _sparse_mla_checked(args)
                 assert bool((out[1, -1] == 0).all()), "a token with nothing selected must give zeros"
                 print(f"sparse_mla {layer} {fmt} T={tokens}: ok (max abs err {err:.2e})", flush=True)
     # HCA over max context at a short real length (B=1): 8,192 c128 positions, the last 7,168 of them
@@ -90,11 +96,7 @@ def sparse_mla_cases() -> None:
         case = bench_sparse_mla.Case("sanitize", 1, tokens, 64, "hca", "bf16", 1024)
         args = list(bench_sparse_mla.make_inputs(case, DEVICE))
         args[6] = torch.cat([args[6], torch.full((1, tokens, 7168), -1, dtype=torch.int32, device=DEVICE)], dim=2)
-        out = sparse_mla.sparse_mla(*args)
-        torch.cuda.synchronize()
-        ref = sparse_mla.sparse_mla_reference(*args)
-        err = (out.float() - ref.float()).abs().max().item()
-        assert err <= 2 ** -7 * max(1.0, ref.float().abs().max().item()), f"sparse_mla err {err}"
+        _, err = _sparse_mla_checked(args)
         print(f"sparse_mla hca bf16 B=1 T={tokens} over 8,192 positions: ok (max abs err {err:.2e})", flush=True)
 
 
