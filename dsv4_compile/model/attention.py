@@ -12,6 +12,7 @@ from torch import nn
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
 
 from .compressor import StaticCompressor
+from .fused_linear import FusedLinear
 from .hotspots import gather_rows, indexer_topk_full_context, sparse_attention_with_sink
 from .layout import INDEX_PAGE_SLOTS, StepLayout
 
@@ -41,6 +42,7 @@ class StaticAttention(nn.Module):
         self.compressor: StaticCompressor | None = None
         self.index_compressor: StaticCompressor | None = None
         if self.layer_type == SLIDING:
+            self.projections = FusedLinear(self._input_projections())
             return
         rate = layout.csa_rate if self.layer_type == CSA else layout.hca_rate
         overlap = self.layer_type == CSA
@@ -64,6 +66,19 @@ class StaticAttention(nn.Module):
                 "index_keys", torch.zeros(pages, INDEX_PAGE_SLOTS, indexer.head_dim,
                                           dtype=_kv_dtype(indexer.kv_norm, indexer.kv_proj), device=device),
                 persistent=False)
+        self.projections = FusedLinear(self._input_projections())
+
+    def _input_projections(self) -> dict[str, nn.Linear]:
+        """Every projection of the layer's input (see forward and the compressors)."""
+        attn = self.attn
+        linears = {"q_a": attn.q_a_proj, "kv": attn.kv_proj}
+        if self.layer_type != SLIDING:
+            linears.update(comp_kv=attn.compressor.kv_proj, comp_gate=attn.compressor.gate_proj)
+        if self.layer_type == CSA:
+            indexer = attn.compressor.indexer
+            linears.update(index_kv=indexer.kv_proj, index_gate=indexer.gate_proj,
+                           index_weights=indexer.scorer.weights_proj)
+        return linears
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor], page_table: torch.Tensor) -> torch.Tensor:
@@ -73,10 +88,11 @@ class StaticAttention(nn.Module):
         attn = self.attn
         batch, tokens, _ = hidden.shape
         cos, sin = rope
-        q_residual = attn.q_a_norm(attn.q_a_proj(hidden))
+        proj = self.projections(hidden)
+        q_residual = attn.q_a_norm(proj["q_a"])
         q = attn.q_b_proj(q_residual).view(batch, tokens, -1, self.head_dim).transpose(1, 2)
         q = apply_rotary_pos_emb(attn.q_b_norm(q), cos, sin).transpose(1, 2)  # [B, T, H, D]
-        kv = attn.kv_norm(attn.kv_proj(hidden)).view(batch, tokens, 1, self.head_dim).transpose(1, 2)
+        kv = attn.kv_norm(proj["kv"]).view(batch, tokens, 1, self.head_dim).transpose(1, 2)
         kv = apply_rotary_pos_emb(kv, cos, sin)[:, 0]  # [B, T, D]
 
         ring = self.window.shape[1]
@@ -85,7 +101,7 @@ class StaticAttention(nn.Module):
         kv_rows = gather_rows(self.window.view(-1, self.head_dim), window_idx)
         valid = window_idx >= 0
         if self.compressor is not None:
-            extra_idx = self._compressed_index(hidden, q_residual, positions, rows, page_table)
+            extra_idx = self._compressed_index(hidden, proj, q_residual, positions, rows, page_table)
             extra_rows = gather_rows(self.entries.view(-1, self.head_dim), extra_idx)
             kv_rows = torch.cat([kv_rows.to(extra_rows.dtype), extra_rows], dim=2)
             valid = torch.cat([valid, extra_idx >= 0], dim=2)
@@ -122,27 +138,29 @@ class StaticAttention(nn.Module):
         row_ids = rows[:, None] * self.window.shape[1] + span % self.window.shape[1]
         return torch.where(seen, row_ids[:, None, :], -1)
 
-    def _compressed_index(self, hidden: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor,
+    def _compressed_index(self, hidden: torch.Tensor, proj: dict[str, torch.Tensor], q_residual: torch.Tensor, positions: torch.Tensor,
                           rows: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
-        """Writes this step's compressed entries and returns [B, T, K] rows of `entries` to attend."""
+        """Writes this step's compressed entries and returns [B, T, K] rows of `entries` to attend.
+        proj: the projections of the layer input `hidden` (self.projections)."""
         stride = self.entries.shape[1]
         trash = self.max_entries
-        compressed, entry_ids = self.compressor(hidden, positions, rows, self.max_entries)
+        compressed, entry_ids = self.compressor(proj["comp_kv"], proj["comp_gate"], positions, rows, self.max_entries)
         self.entries[rows[:, None], torch.where(entry_ids >= 0, entry_ids, trash)] = compressed.to(self.entries.dtype)
         visible = (positions + 1) // self.rate  # [B, T]
         if self.layer_type == HCA:
             slots = torch.arange(self.max_entries, device=positions.device)
             seen = slots.view(1, 1, -1) < visible[..., None]
             return torch.where(seen, rows[:, None, None] * stride + slots, -1)
-        slots = self._indexer_topk(hidden, q_residual, positions, rows, visible, page_table)
+        slots = self._indexer_topk(hidden, proj, q_residual, positions, rows, visible, page_table)
         return torch.where(slots >= 0, rows[:, None, None] * stride + slots, -1)
 
-    def _indexer_topk(self, hidden: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor,
+    def _indexer_topk(self, hidden: torch.Tensor, proj: dict[str, torch.Tensor], q_residual: torch.Tensor, positions: torch.Tensor,
                       rows: torch.Tensor, visible: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
         """Writes the indexer keys of this step's closed windows; returns top-k slots [B, T, k]."""
         indexer = self.attn.compressor.indexer
         batch, tokens, _ = hidden.shape
-        keys, entry_ids = self.index_compressor(hidden, positions, rows, self.max_entries)
+        keys, entry_ids = self.index_compressor(proj["index_kv"], proj["index_gate"], positions, rows,
+                                                self.max_entries)
         table = page_table[rows]  # [B, pages]
         # int64: inductor's Triton scatter multiplies the loaded page id by the page stride in the
         # id's own dtype, and past 2**31 / (64 * head_dim) pages an int32 product overflows.
@@ -155,7 +173,7 @@ class StaticAttention(nn.Module):
         q = indexer.q_b_proj(q_residual).view(batch, tokens, -1, indexer.head_dim).transpose(1, 2)
         q = apply_rotary_pos_emb(q, cos, sin).transpose(1, 2)  # [B, T, Hi, Di]
         scorer = indexer.scorer
-        weights = scorer.weights_proj(hidden).float() * scorer.weights_scaling
+        weights = proj["index_weights"].float() * scorer.weights_scaling
         topk = min(indexer.index_topk, self.max_entries)
         return indexer_topk_full_context(q, weights, self.index_keys, table, visible,
                                          scorer.softmax_scale, topk)

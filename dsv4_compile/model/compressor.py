@@ -37,18 +37,17 @@ class StaticCompressor(nn.Module):
         self.register_buffer("ring_gate", torch.zeros(rows, ring, width, dtype=dtype, device=device),
                              persistent=False)
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
+    def forward(self, kv: torch.Tensor, gate: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
                 max_entries: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Buffers T new tokens and computes every window that may close in this step.
 
-        hidden [B, T, hidden_size], positions [B, T] int64 (consecutive per request),
+        kv, gate [B, T, width]: the module's kv_proj and gate_proj of the T tokens' hidden states,
+        positions [B, T] int64 (consecutive per request),
         rows [B] int64 cache rows. Returns (entries [B, C, head_dim], entry_ids [B, C] int64)
         with C = ceil(T / rate); entry_ids is -1 where the window did not close in this step
         or lies at or past `max_entries`.
         """
         ring = self.ring_kv.shape[1]
-        kv = self.module.kv_proj(hidden)
-        gate = self.module.gate_proj(hidden)
         slot = positions % ring
         self.ring_kv[rows[:, None], slot] = kv.to(self.ring_kv.dtype)
         self.ring_gate[rows[:, None], slot] = gate.to(self.ring_gate.dtype)
