@@ -89,6 +89,9 @@ def case_line(case: dict) -> str:
     worst = max((c.get("max_err", 0.0) for c in case["check"].values()), default=0.0)
     ratio = case.get("speedup_vs_compile_default")
     versus = "" if ratio is None else f" | x{ratio:.2f} vs torch.compile default"
+    unchecked = case.get("speedup_unchecked_vs_compile_default")
+    if unchecked is not None:
+        versus += f" (without the input check {_fmt_us(case['us_unchecked']['optimize'])}, x{unchecked:.2f})"
     return f"{head} {times}{versus} | correct: {'yes' if case['correct'] else 'NO'} (max token err {worst:.2e})"
 
 
@@ -128,12 +131,13 @@ def _verdict(met: bool | None) -> str:
 
 
 def _case_table(results: dict) -> list[str]:
-    lines = ["| B | T | ctx | eager | torch.compile default | optimize() | vs default | vs eager | correct "
-             "(per-token logits error vs the reference) | tok/s @43 layers: default | optimize |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| B | T | ctx | eager | torch.compile default | optimize() | vs default | vs eager | optimize() "
+             "without the input check (vs default) | correct (per-token logits error vs the reference) | "
+             "tok/s @43 layers: default | optimize |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in results["cases"]:
         if "skipped" in c:
-            lines.append(f"| {c['B']} | {c['T']} | {c['ctx']} | skipped: {c['skipped']} | | | | | | | |")
+            lines.append(f"| {c['B']} | {c['T']} | {c['ctx']} | skipped: {c['skipped']} | | | | | | | | |")
             continue
         cells = []
         for variant in ("eager", "compile_default", "optimize"):
@@ -150,6 +154,8 @@ def _case_table(results: dict) -> list[str]:
         lines.append(
             f"| {c['B']} | {c['T']} | {c['ctx']} | {' | '.join(cells)} | "
             f"{_ratio(c.get('speedup_vs_compile_default'))} | {_ratio(c.get('speedup_vs_eager'))} | "
+            f"{_fmt_us(c.get('us_unchecked', {}).get('optimize'))} "
+            f"({_ratio(c.get('speedup_unchecked_vs_compile_default'))}) | "
             f"{'yes' if c['correct'] else '**NO**'} ({'; '.join(notes) or 'finite only'}) | "
             f"{tok.get('compile_default', float('nan')):,.0f} | {tok.get('optimize', float('nan')):,.0f} |")
     return lines

@@ -44,6 +44,10 @@ def test_smoke_mode_runs_every_case_and_the_variants_agree(tmp_path):
     assert ran[(2, 1)] == {"eager", "compile_default", "optimize"}
     assert ran[(2, 4)] == {"eager", "optimize"}
     assert ran[(1, 1)] == ran[(1, 4)] == {"eager"}
+    for case in cases:  # optimize() is also timed without Engine.step's input check
+        assert ("us_unchecked" in case) == ("optimize" in case["us"]), case
+        assert ("speedup_unchecked_vs_compile_default" in case) == ("compile_default" in case["us"]
+                                                                     and "optimize" in case["us"])
     for case in cases:
         if case["B"] == 1:  # against row 0 of B=2: the same inputs and state
             assert set(case["batch_consistency"]) == {"eager"} and case["batch_consistency"]["eager"]["ok"], case
