@@ -51,16 +51,43 @@ def test_bias_and_lone_dtype_layers_run_as_they_are():
         assert (out[name] - linears[name](x)).abs().max() <= BF16_TOL * linears[name](x).abs().max()
 
 
+class _ScaledLinear(nn.Linear):
+    """A Linear subclass whose forward is not F.linear(x, weight) (as an FP8 layer with scales)."""
+
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+def test_only_plain_linears_are_fused():
+    """Subclasses, layers with hooks and float8 weights run their own forward."""
+    torch.manual_seed(0)
+    scaled = _ScaledLinear(32, 8, bias=False)
+    hooked = _linear(32, 8, torch.float32, seed=5)
+    hooked.register_forward_hook(lambda module, args, out: out + 1)
+    fp8 = _linear(32, 8, torch.float32, seed=6)
+    fp8.weight.data = fp8.weight.data.to(torch.float8_e4m3fn)
+    linears = {"a": _linear(32, 8, torch.float32, seed=1), "b": _linear(32, 8, torch.float32, seed=2),
+               "scaled": scaled, "hooked": hooked, "fp8": fp8}
+    fused = FusedLinear(linears)
+    assert [names for _, names, _ in fused.groups] == [("a", "b")]
+    assert set(fused.single) == {"scaled", "hooked", "fp8"}
+    del fused.single["fp8"]  # F.linear has no float8 kernel on CPU; it only had to stay unfused
+    x = torch.randn(4, 32)
+    out = fused(x)
+    for name in ("scaled", "hooked"):
+        assert torch.equal(out[name], linears[name](x))
+
+
 def test_layers_of_different_widths_are_refused():
     with pytest.raises(ValueError, match="in_features"):
         FusedLinear({"a": _linear(32, 8, torch.float32), "b": _linear(16, 8, torch.float32)})
 
 
 def test_step_calls_no_fused_projection_layer():
-    """In a step of the tiny model (every layer type), the input projections of attention, the
-    compressors and the indexer, and the shared experts' gate and up, run only as fused products;
-    the step's logits still equal the engine's own eager step (test_model_parity checks those
-    against transformers)."""
+    """In steps of the tiny model (every layer type), the input projections of attention, the
+    compressors and the indexer, and the shared experts' gate and up, run only as fused products
+    (none of those layers' forwards is called). That each fused output feeds its layer's consumer
+    is test_model_parity's check: the step's logits against transformers' in fp32."""
     model = tiny_model(seed=0)
     engine = dsv4_compile.optimize(model, max_batch=2, max_context=256, compile=False)
     fused_layers = []

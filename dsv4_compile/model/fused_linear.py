@@ -2,10 +2,10 @@
 
 At decode a layer's input [B*T, 4096] (1 to 64 rows) goes through up to seven small projections
 (q_a, kv, the compressors' kv and gate, the indexer's kv, gate and head weights; the shared
-expert's gate and up). Each of them alone is bound by launch and ramp-up, not bytes: cuBLAS took
-~6-10 us for 0.5-17 MB weights on the H200, 11-36% of HBM, against 60-77% for 64 MB weights
-(bench/RESULTS.md, ninth session). One product over the concatenated weights reads the same bytes
-in one launch.
+expert's gate and up). Each of them alone is bound by launch and ramp-up more than by bytes:
+cuBLAS took 6.6-10.2 us for 4-17 MB weights on the H200 (11-53% of HBM), against 58-75% for
+64-67 MB weights (bench/RESULTS.md, ninth session). One product over the concatenated weights
+reads the same bytes in one launch.
 """
 from __future__ import annotations
 
@@ -18,13 +18,20 @@ from torch import nn
 log = logging.getLogger("dsv4_compile")
 
 
+def _fusable(lin: nn.Module) -> bool:
+    """A plain bias-free nn.Linear with a floating (not float8) weight and no hooks: its forward is
+    F.linear(x, weight) and nothing else. Subclasses (FP8 layers with scales, adapters) are not."""
+    return (type(lin) is nn.Linear and lin.bias is None and lin.weight.dtype.is_floating_point
+            and lin.weight.element_size() >= 2 and not lin._forward_hooks and not lin._forward_pre_hooks)
+
+
 class FusedLinear(nn.Module):
     """`linears` (name -> nn.Linear, all of one in_features) as one product per weight dtype.
 
-    Bias-free layers of one dtype share a concatenated weight, a copy taken here (the fused
-    model serves the weights it was built with; the originals stay untouched); a layer with a
-    bias, or alone in its dtype, runs as it is. forward(x [..., in_features]) -> {name: x @ W^T}
-    in the layers' own dtypes, each a column slice of the fused output.
+    Plain bias-free layers of one dtype (see _fusable) share a concatenated weight, a copy taken
+    here (the fused model serves the weights it was built with; the originals stay untouched);
+    any other layer, or one alone in its dtype, runs its own forward. forward(x [..., in_features])
+    -> {name: layer(x)}, the fused ones as column slices of one product.
     """
 
     def __init__(self, linears: dict[str, nn.Linear]) -> None:
@@ -34,7 +41,7 @@ class FusedLinear(nn.Module):
             raise ValueError(f"FusedLinear: the layers must share in_features, got {sorted(widths)}")
         by_dtype: dict[torch.dtype, list[str]] = {}
         for name, lin in linears.items():
-            if lin.bias is None:
+            if _fusable(lin):
                 by_dtype.setdefault(lin.weight.dtype, []).append(name)
         self.groups: list[tuple[str, tuple[str, ...], tuple[int, ...]]] = []
         fused = set()
