@@ -244,7 +244,8 @@ def markdown(results: dict) -> str:
         lines += [f"- model: {setup['model']}; random weights",
                   f"- engine: max_batch {setup['max_batch']}, max_context {setup['max_context']:,}, "
                   f"verify_tokens {setup['verify_tokens']}; caches {setup['cache_gb']:.2f} GB ({caches}); "
-                  f"weights {setup['weight_gb']:.2f} GB"
+                  f"weights {setup['weight_gb']:.2f} GB (+ {setup['fused_projection_copies_gb']:.2f} GB of fused "
+                  f"projection copies)"
                   + (f"; free after set-up {setup['free_gb']:.1f} of {setup['total_gb']:.1f} GB" if "free_gb" in setup
                      else "")]
     tol = results["tolerance"]
