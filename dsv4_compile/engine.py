@@ -214,7 +214,7 @@ def optimize(model: nn.Module, *, max_batch: int = 8, max_context: int = 4096, v
     `tile_fp4_experts_`), which the FP4 MoE kernels read faster.
 
     The engine serves the model's weights as they are at this call: it copies the projections of
-    each layer's input into one weight (`FusedLinear`; V4-Flash: 45-67 MB a layer). Load weights
+    each layer's input into one weight (`FusedLinear`; V4-Flash in bf16: 46-68 MB a layer). Load weights
     before optimize().
     """
     from transformers import DeepseekV4ForCausalLM
