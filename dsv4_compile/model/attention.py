@@ -41,8 +41,8 @@ class StaticAttention(nn.Module):
             persistent=False)
         self.compressor: StaticCompressor | None = None
         self.index_compressor: StaticCompressor | None = None
+        self.projections = FusedLinear(self._input_projections())
         if self.layer_type == SLIDING:
-            self.projections = FusedLinear(self._input_projections())
             return
         rate = layout.csa_rate if self.layer_type == CSA else layout.hca_rate
         overlap = self.layer_type == CSA
@@ -66,7 +66,6 @@ class StaticAttention(nn.Module):
                 "index_keys", torch.zeros(pages, INDEX_PAGE_SLOTS, indexer.head_dim,
                                           dtype=_kv_dtype(indexer.kv_norm, indexer.kv_proj), device=device),
                 persistent=False)
-        self.projections = FusedLinear(self._input_projections())
 
     def _input_projections(self) -> dict[str, nn.Linear]:
         """Every projection of the layer's input (see forward and the compressors)."""
@@ -138,13 +137,14 @@ class StaticAttention(nn.Module):
         row_ids = rows[:, None] * self.window.shape[1] + span % self.window.shape[1]
         return torch.where(seen, row_ids[:, None, :], -1)
 
-    def _compressed_index(self, hidden: torch.Tensor, proj: dict[str, torch.Tensor], q_residual: torch.Tensor, positions: torch.Tensor,
-                          rows: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
+    def _compressed_index(self, hidden: torch.Tensor, proj: dict[str, torch.Tensor], q_residual: torch.Tensor,
+                          positions: torch.Tensor, rows: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
         """Writes this step's compressed entries and returns [B, T, K] rows of `entries` to attend.
         proj: the projections of the layer input `hidden` (self.projections)."""
         stride = self.entries.shape[1]
         trash = self.max_entries
-        compressed, entry_ids = self.compressor(proj["comp_kv"], proj["comp_gate"], positions, rows, self.max_entries)
+        compressed, entry_ids = self.compressor(proj["comp_kv"], proj["comp_gate"], positions, rows,
+                                                self.max_entries)
         self.entries[rows[:, None], torch.where(entry_ids >= 0, entry_ids, trash)] = compressed.to(self.entries.dtype)
         visible = (positions + 1) // self.rate  # [B, T]
         if self.layer_type == HCA:
@@ -154,8 +154,9 @@ class StaticAttention(nn.Module):
         slots = self._indexer_topk(hidden, proj, q_residual, positions, rows, visible, page_table)
         return torch.where(slots >= 0, rows[:, None, None] * stride + slots, -1)
 
-    def _indexer_topk(self, hidden: torch.Tensor, proj: dict[str, torch.Tensor], q_residual: torch.Tensor, positions: torch.Tensor,
-                      rows: torch.Tensor, visible: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
+    def _indexer_topk(self, hidden: torch.Tensor, proj: dict[str, torch.Tensor], q_residual: torch.Tensor,
+                      positions: torch.Tensor, rows: torch.Tensor, visible: torch.Tensor,
+                      page_table: torch.Tensor) -> torch.Tensor:
         """Writes the indexer keys of this step's closed windows; returns top-k slots [B, T, k]."""
         indexer = self.attn.compressor.indexer
         batch, tokens, _ = hidden.shape
