@@ -3,9 +3,11 @@
 - eager: the uncompiled step module (`engine.module`);
 - compile_default: `torch.compile(engine.module, mode="reduce-overhead", fullgraph=True,
   dynamic=False)`: inductor with CUDA graphs, no dsv4 passes, one static graph per (B, T);
-- optimize: `engine.step` of `dsv4_compile.optimize(...)` (the dsv4 passes, CUDA graph trees), whose
-  input check syncs with the host; its `compiled_step` (the same graph without the check, the
-  logits copy and the site check, as the baseline runs) is timed beside it.
+- optimize: `engine.step` of `dsv4_compile.optimize(...)` (the dsv4 passes, CUDA graph trees) on
+  host inputs, as a serving scheduler holds them: checked on the host and copied to the GPU without
+  a sync. Two other forms are timed beside it (`OPTIMIZE_FORMS`): `engine.step` on GPU inputs (its
+  check syncs with the host) and `engine.compiled_step` (no check, logits copy or site check, on GPU
+  inputs, as the baselines run).
 
 The three share one step module and so one set of caches. Before each case the caches are
 filled with the same random values and the step runs at start_pos = context: every cache is
@@ -38,6 +40,9 @@ from bench.measure import (compare_logits, compile_phase_seconds, kernel_breakdo
                            timed_first_call)
 from bench.slice_model import (FULL_MODEL_LAYERS, ExpertLayouts, build_slice, cache_bytes_by_kind, decisive_routing,
                                fill_caches_, smoke_model)
+
+# other forms of the optimize() step, timed beside it on the same graph
+OPTIMIZE_FORMS = ("step_gpu_inputs", "compiled_step")
 
 VARIANTS = ("eager", "compile_default", "optimize")
 VERIFY_TOKENS = 3
@@ -222,16 +227,18 @@ class E2EBench:
         print(f"[B={group.batch} T={group.tokens}] skipped ({reason})", flush=True)
         report.write_outputs(self.out, self.results)
 
-    def _step_fn(self, variant: str, ids: torch.Tensor, start: torch.Tensor, rows: torch.Tensor) -> Callable:
+    def _step_fn(self, variant: str, inputs: tuple[torch.Tensor, ...], host_inputs: tuple[torch.Tensor, ...]) -> Callable:
+        """One call of `variant` (or of an `OPTIMIZE_FORMS` form); optimize gets the host inputs."""
         # The baselines run the row-major experts a user's model holds; optimize() the tiled ones.
-        tiled = variant in ("optimize", "optimize_unchecked")
+        tiled = variant == "optimize" or variant in OPTIMIZE_FORMS
+        ids, start, rows = host_inputs if variant == "optimize" else inputs
         if variant == "eager":
             def eager():
                 self.layouts.use(tiled)
                 return self.engine.module(ids, start, rows)
             return eager
         compiled = {"compile_default": self.compile_default, "optimize": self.engine.step,
-                    "optimize_unchecked": self.engine.compiled_step}[variant]
+                    "step_gpu_inputs": self.engine.step, "compiled_step": self.engine.compiled_step}[variant]
 
         def step():
             self.layouts.use(tiled)
@@ -280,29 +287,31 @@ class E2EBench:
         status = {v: "ok" for v in group.variants}
         status.update(self._memory_skips(group))
         steps = {}
-        ids, start, rows = self._inputs(group, self.suite.contexts[0])
+        inputs = self._inputs(group, self.suite.contexts[0])
+        host_inputs = tuple(t.cpu() for t in inputs)
         # optimize first: its graph is recorded before a baseline can run out of memory.
         for variant in sorted(group.variants, key=("optimize", "compile_default", "eager").index):
             if status[variant] != "ok":
                 self._record_compile(group, variant, None, status[variant], {})
                 continue
-            steps[variant] = self._step_fn(variant, ids, start, rows)
+            steps[variant] = self._step_fn(variant, inputs, host_inputs)
             status[variant] = self._compile(group, variant, steps[variant])
         head_us = self._head_us(group)
-        # optimize()'s compiled_step without Engine.step's check, timed beside it (_run_case)
-        unchecked = self._step_fn("optimize_unchecked", ids, start, rows) if status.get("optimize") == "ok" else None
+        forms = {form: self._step_fn(form, inputs, host_inputs) for form in OPTIMIZE_FORMS} \
+            if status.get("optimize") == "ok" else {}
         last_case_s = 0.0
         for context in self.suite.contexts:
             if time.monotonic() + last_case_s > self.deadline:
                 self.results["cases"].append({"B": group.batch, "T": group.tokens, "ctx": context,
                                               "skipped": "budget"})
                 continue
-            start.fill_(context)
+            for start in (inputs[1], host_inputs[1]):
+                start.fill_(context)
             case_start = time.monotonic()
-            self._run_case(group, context, steps, unchecked, status, head_us)
+            self._run_case(group, context, steps, forms, status, head_us)
             last_case_s = time.monotonic() - case_start
         steps.clear()
-        del unchecked
+        forms.clear()
         torch._dynamo.reset()  # drops this group's graphs and CUDA-graph pools
         self._release_memory()
 
@@ -379,7 +388,7 @@ class E2EBench:
                                    **compare_logits(values, logits[reference], *self.suite.tolerance)}
         return checks
 
-    def _run_case(self, group: Group, context: int, steps: dict, unchecked: Callable | None, status: dict,
+    def _run_case(self, group: Group, context: int, steps: dict, forms: dict[str, Callable], status: dict,
                   head_us: float) -> None:
         case = {"B": group.batch, "T": group.tokens, "ctx": context}
         # The same state for every case: a step at a smaller context rewrites entries that a
@@ -412,16 +421,16 @@ class E2EBench:
                 self._release_memory()
         case["us"] = times
         if "optimize" in times:
-            # the same graph without Engine.step's input check (whose host sync exposes the graph's
-            # dispatch), logits copy and site check: like torch.compile default, which has none
-            try:
-                case["us_unchecked"] = {"optimize": self.timer(unchecked)}
-            except Exception as exc:  # noqa: BLE001 - as for the variants above
-                case["unchecked_status"] = f"error: {type(exc).__name__}: {str(exc)[:300]}"
-                self._release_memory()
-            if "compile_default" in times and "us_unchecked" in case:
-                unchecked_us = case["us_unchecked"]["optimize"]
-                case["speedup_unchecked_vs_compile_default"] = times["compile_default"] / unchecked_us
+            case["us_forms"], case["forms_status"] = {}, {}
+            for form, step in forms.items():
+                try:
+                    case["us_forms"][form] = self.timer(step)
+                except Exception as exc:  # noqa: BLE001 - as for the variants above
+                    case["forms_status"][form] = f"error: {type(exc).__name__}: {str(exc)[:300]}"
+                    self._release_memory()
+            if "compile_default" in times:
+                case["speedup_forms_vs_compile_default"] = {
+                    form: times["compile_default"] / us for form, us in case["us_forms"].items()}
         case["status"] = dict(status)
         case["head_us"] = head_us
         layers = self.model.config.num_hidden_layers

@@ -66,16 +66,31 @@ class Engine:
 
     @torch.no_grad()
     def step(self, input_ids: torch.Tensor, start_pos: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """The compiled step with its inputs checked (one host sync); the logits [B, T, V] are a
-        copy, so they outlive the next CUDA-graph replay."""
+        """The compiled step with its inputs checked; the logits [B, T, V] are a copy on the
+        engine's device, so they outlive the next CUDA-graph replay.
+
+        The inputs may be on the host (a serving scheduler's batch): they are checked there and
+        copied to the GPU without waiting for it, so the host can queue this step while the GPU
+        still runs the last one. Inputs on the engine's GPU cost one host sync to check."""
         layout = self.layout
         check_step_inputs(input_ids, start_pos, rows, max_batch=layout.max_batch, step_tokens=layout.step_tokens,
                           max_context=layout.max_context, vocab_size=self.vocab_size, device=self.device)
+        input_ids, start_pos, rows = self._to_device(input_ids, start_pos, rows)
         if self.device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()
         logits = self.compiled_step(input_ids, start_pos, rows).clone()
         self._check_sites()
         return logits
+
+    def _to_device(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Host tensors -> copies on the engine's GPU without a host sync: each goes through a
+        pinned copy of its own (the caching host allocator keeps that block until the transfer has
+        run), so the caller may reuse its tensors at once. Tensors already there pass through."""
+        if self.device.type != "cuda":
+            return tensors
+        return tuple(t if t.device == self.device else
+                     torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t).to(self.device, non_blocking=True)
+                     for t in tensors)
 
     def expected_sites(self) -> list[tuple[str, int]]:
         """(pass, layer) sites every compiled graph should have: sparse MLA in each layer, the
@@ -151,9 +166,10 @@ class Engine:
         bucket = batch_bucket(batch, self.layout.max_batch)
         width = len(input_ids[0])
         pad = bucket - batch
-        ids = torch.tensor(input_ids + [[0] * width] * pad, dtype=torch.int64, device=self.device)
-        start = torch.tensor(start_pos + [0] * pad, dtype=torch.int64, device=self.device)
-        row_ids = torch.tensor(rows + [self.layout.scratch_row] * pad, dtype=torch.int64, device=self.device)
+        ids, start, row_ids = self._to_device(
+            torch.tensor(input_ids + [[0] * width] * pad, dtype=torch.int64),
+            torch.tensor(start_pos + [0] * pad, dtype=torch.int64),
+            torch.tensor(rows + [self.layout.scratch_row] * pad, dtype=torch.int64))
         if step is None:
             step = self.compiled_step
             if self.device.type == "cuda":

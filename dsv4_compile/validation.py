@@ -29,9 +29,9 @@ def check_prompts(prompts: object, max_batch: int, vocab_size: int) -> None:
 def check_step_inputs(input_ids: object, start_pos: object, rows: object, *, max_batch: int,
                       step_tokens: int, max_context: int, vocab_size: int, device) -> None:
     """Checks a direct call of Engine.step: input_ids [B, T], start_pos [B], rows [B], all int64
-    on the engine's device, 1 <= B <= max_batch, 1 <= T <= step_tokens, ids in [0, vocab_size),
-    start_pos >= 0 with start_pos + T <= max_context, rows in [0, max_batch] (max_batch is the
-    scratch row). Reading the values costs one host sync."""
+    and all on the host (CPU) or all on the engine's device, 1 <= B <= max_batch, 1 <= T <=
+    step_tokens, ids in [0, vocab_size), start_pos >= 0 with start_pos + T <= max_context, rows in
+    [0, max_batch] (max_batch is the scratch row). Values on a GPU cost one host sync to read."""
     import torch
 
     named = (("input_ids", input_ids), ("start_pos", start_pos), ("rows", rows))
@@ -40,8 +40,10 @@ def check_step_inputs(input_ids: object, start_pos: object, rows: object, *, max
             raise TypeError(f"{name} must be a torch.Tensor; got {type(value).__name__}")
         if value.dtype != torch.int64:
             raise TypeError(f"{name} must be torch.int64; got {value.dtype}")
-        if value.device != torch.device(device):
-            raise ValueError(f"{name} must be on the engine's device {device}; got {value.device}")
+    devices = {value.device for _, value in named}
+    if len(devices) > 1 or not devices <= {torch.device("cpu"), torch.device(device)}:
+        raise ValueError(f"input_ids, start_pos and rows must all be on the host (cpu) or all on the engine's "
+                         f"device {device}; got {', '.join(str(value.device) for _, value in named)}")
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [B, T]; got shape {tuple(input_ids.shape)}")
     batch, tokens = input_ids.shape
@@ -50,7 +52,7 @@ def check_step_inputs(input_ids: object, start_pos: object, rows: object, *, max
     for name, value in named[1:]:
         if tuple(value.shape) != (batch,):
             raise ValueError(f"{name} must be [B={batch}]; got shape {tuple(value.shape)}")
-    # one copy to the host (the sync) instead of a reduction kernel per bound
+    # one copy to the host (a sync for GPU values) instead of a reduction kernel per bound
     values = torch.cat([input_ids.reshape(-1), start_pos, rows]).cpu()
     ids_host, pos_host, rows_host = values.split([input_ids.numel(), batch, batch])
     (low_id, high_id), (low_pos, high_pos), (low_row, high_row) = (

@@ -69,7 +69,7 @@ def bad_step_calls(draw):
     start = torch.zeros(batch, dtype=torch.int64)
     rows = torch.arange(batch)
     kind = draw(st.sampled_from(["ids_dtype", "ids_value", "ids_rank", "start_value", "rows_value", "rows_shape",
-                                 "batch", "tokens", "not_tensor"]))
+                                 "batch", "tokens", "device", "not_tensor"]))
     if kind == "ids_dtype":
         return ids.to(draw(st.sampled_from([torch.int32, torch.float32]))), start, rows, "input_ids"
     if kind == "ids_value":
@@ -92,6 +92,10 @@ def bad_step_calls(draw):
     if kind == "tokens":
         wide = draw(st.integers(17, 40))  # the engine's step_tokens is max(16, VERIFY + 1) = 16
         return torch.zeros(1, wide, dtype=torch.int64), start[:1], rows[:1], "tokens per step"
+    if kind == "device":  # one of the three elsewhere than the host (the engine's device here)
+        moved = draw(st.integers(0, 2))
+        call = [t.to("meta") if i == moved else t for i, t in enumerate((ids, start, rows))]
+        return (*call, "must all be on the host")
     return ids.tolist(), start, rows, "input_ids"
 
 

@@ -27,6 +27,7 @@ def _from_bench(module: str, name: str):
 
 def test_smoke_mode_runs_every_case_and_the_variants_agree(tmp_path):
     main = _from_bench("__main__", "main")
+    forms = _from_bench("e2e", "OPTIMIZE_FORMS")
     assert main(["--smoke", "--out", str(tmp_path)]) == 0
 
     results = json.loads((tmp_path / "e2e.json").read_text())
@@ -44,10 +45,10 @@ def test_smoke_mode_runs_every_case_and_the_variants_agree(tmp_path):
     assert ran[(2, 1)] == {"eager", "compile_default", "optimize"}
     assert ran[(2, 4)] == {"eager", "optimize"}
     assert ran[(1, 1)] == ran[(1, 4)] == {"eager"}
-    for case in cases:  # optimize() is also timed without Engine.step's input check
-        assert ("us_unchecked" in case) == ("optimize" in case["us"]), case
-        assert ("speedup_unchecked_vs_compile_default" in case) == ("compile_default" in case["us"]
-                                                                     and "optimize" in case["us"])
+    for case in cases:  # optimize() is also timed on GPU inputs and as its bare compiled_step
+        assert set(case.get("us_forms", {})) == (set(forms) if "optimize" in case["us"] else set()), case
+        assert set(case.get("speedup_forms_vs_compile_default", {})) == (
+            set(forms) if {"optimize", "compile_default"} <= set(case["us"]) else set()), case
     for case in cases:
         if case["B"] == 1:  # against row 0 of B=2: the same inputs and state
             assert set(case["batch_consistency"]) == {"eager"} and case["batch_consistency"]["eager"]["ok"], case
