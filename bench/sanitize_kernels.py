@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from bench import bench_fp4_moe, bench_indexer, bench_sparse_mla
-from dsv4_compile.kernels import fp4_moe, hc_sinkhorn, indexer_topk, skinny_mm, sparse_mla
+from dsv4_compile.kernels import fp4_moe, hc_sinkhorn, indexer_topk, sparse_mla
 from dsv4_compile.kernels.moe_pairs import combine_pairs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -188,26 +188,8 @@ def hc_sinkhorn_cases(gen: torch.Generator) -> None:
         print(f"hc_sinkhorn {matrices} x {n}x{n}: ok (max abs err {err:.2e})", flush=True)
 
 
-def skinny_mm_cases(gen: torch.Generator) -> None:
-    """The mHC projections ([rows, 16384] bf16 @ [16384, 24] f32, the hyper head's 4 columns) at 1,
-    64, 256 and 1000 rows with the splits the pass chooses, and a chunk that ends past K."""
-    for rows, depth, columns, splits in ((1, 16384, 24, None), (64, 16384, 24, None), (256, 16384, 24, None),
-                                         (1000, 16384, 4, None), (37, 1000, 24, 7)):
-        splits = splits or skinny_mm.choose_splits(rows, depth)
-        a = torch.randn(rows, depth, device=DEVICE, generator=gen).to(torch.bfloat16)
-        b = torch.randn(columns, depth, device=DEVICE, generator=gen).t() * depth ** -0.5
-        out = skinny_mm.skinny_mm_partials(a, b, splits)
-        torch.cuda.synchronize()
-        want = skinny_mm.skinny_mm_partials_reference(a, b, splits)
-        # f32 sums of one chunk in another order: see tests/test_skinny_mm.py
-        bound = skinny_mm.skinny_mm_partials_reference(a.float().abs(), b.abs(), splits) * 1e-5
-        assert ((out - want).abs() <= bound + 1e-30).all(), f"skinny_mm {rows} x {depth} x {columns}"
-        print(f"skinny_mm {rows} x {depth} x {columns}, {splits} splits: ok", flush=True)
-
-
 CASES = {"indexer": indexer_cases, "sparse_mla": lambda gen: sparse_mla_cases(),
-         "fp4_moe": fp4_moe_cases, "large_pools": large_pool_cases, "hc_sinkhorn": hc_sinkhorn_cases,
-         "skinny_mm": skinny_mm_cases}
+         "fp4_moe": fp4_moe_cases, "large_pools": large_pool_cases, "hc_sinkhorn": hc_sinkhorn_cases}
 
 
 def main() -> int:

@@ -1,10 +1,8 @@
-"""passes/skinny_mm.py: f32 mm with a few output columns and a long reduction -> the summed
-split-K partials of dsv4::skinny_mm_partials, with the RMS norm's row factor moved after them."""
+"""passes/skinny_mm.py: f32 mm with a few output columns and a long reduction -> mul + sum."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from dsv4_compile.kernels.skinny_mm import choose_splits
 from dsv4_compile.passes import skinny_mm
 from helpers import compile_with_probe
 
@@ -40,66 +38,16 @@ def _assert_close_f32(got, want, a, b):
     assert ((got - want).abs() <= bound + 1e-30).all()
 
 
-def _op_inputs(graph_probe):
-    """The (a, b, splits) fake values of every dsv4::skinny_mm_partials call the probe saw."""
-    return [tuple(a.meta["val"] if hasattr(a, "meta") else a for a in node.args)
-            for node in graph_probe.nodes if node.target == torch.ops.dsv4.skinny_mm_partials.default]
-
-
-class GraphKeeper:
-    """Wraps a pass module; keeps the graph it rewrote."""
-
-    def __init__(self, module):
-        self.module, self.__name__, self.graph = module, module.__name__, None
-
-    def apply(self, graph, report):
-        self.graph = graph
-        return self.module.apply(graph, report)
-
-
-@pytest.mark.parametrize("tokens, columns", [(1, 24), (64, 24), (3, 4), (256, 24)])  # mHC layers, hyper head
+@pytest.mark.parametrize("tokens, columns", [(1, 24), (64, 24), (3, 4)])  # mHC layers, hyper head
 def test_hc_projection_rewritten_and_matches(tokens, columns):
-    keeper = GraphKeeper(skinny_mm)
-    compiled, report, probe = compile_with_probe(hc_mixes, keeper)
+    compiled, report, probe = compile_with_probe(hc_mixes, skinny_mm)
     for seed in range(2):
         streams, fn = _inputs(tokens, 1024, columns, seed)
         flat = streams.flatten(1).float()
         flat = flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + 1e-6)
         _assert_close_f32(compiled(streams, fn), hc_mixes(streams, fn), flat, fn)
     assert report.count(skinny_mm.PASS_NAME) == 1
-    assert [r.reason for r in report.records if r.matched][0].endswith("row factor moved after the product")
-    assert aten.mm.default not in probe.targets and torch.ops.dsv4.skinny_mm_partials.default in probe.targets
-    # the op reads the bf16 streams themselves, not a normalised f32 copy
-    (a, b, splits), = _op_inputs(keeper.graph)
-    assert a.dtype == torch.bfloat16 and tuple(a.shape) == (tokens, 4096) and tuple(b.shape) == (4096, columns)
-    assert splits == choose_splits(tokens, 4096)
-
-
-def test_product_without_a_row_factor_keeps_its_operand():
-    keeper = GraphKeeper(skinny_mm)
-    compiled, report, probe = compile_with_probe(linear, keeper)
-    gen = torch.Generator().manual_seed(4)
-    x, w = torch.randn(8, 4096, generator=gen), torch.randn(24, 4096, generator=gen)
-    _assert_close_f32(compiled(x, w), linear(x, w), x, w)
-    assert report.count(skinny_mm.PASS_NAME) == 1
-    assert not [r.reason for r in report.records if r.matched][0].endswith("after the product")
-    (a, _, _), = _op_inputs(keeper.graph)
-    assert a.dtype == torch.float32
-
-
-def test_column_scale_is_not_moved():
-    """x * s with one factor per column (not per row) does not commute with the product."""
-    def column_scaled(x, s, w):
-        return F.linear(x * s, w)
-
-    keeper = GraphKeeper(skinny_mm)
-    compiled, report, probe = compile_with_probe(column_scaled, keeper)
-    gen = torch.Generator().manual_seed(8)
-    x, s, w = (torch.randn(8, 4096, generator=gen), torch.rand(1, 4096, generator=gen) + 0.5,
-               torch.randn(24, 4096, generator=gen))
-    _assert_close_f32(compiled(x, s, w), column_scaled(x, s, w), x * s, w)
-    assert report.count(skinny_mm.PASS_NAME) == 1
-    assert not [r.reason for r in report.records if r.matched][0].endswith("after the product")
+    assert aten.mm.default not in probe.targets and aten.sum.dim_IntList in probe.targets
 
 
 @pytest.mark.parametrize(
@@ -107,7 +55,7 @@ def test_column_scale_is_not_moved():
     [((8, 4096), (24, 4096), torch.bfloat16, None),  # not f32: not a candidate
      ((8, 4096), (64, 4096), torch.float32, None),  # 64 columns: not a candidate
      ((8, 1024), (24, 1024), torch.float32, None),  # reduction < 64 x 24: not a candidate
-     ((1040, 4096), (24, 4096), torch.float32, "1040 rows > 1024")],
+     ((128, 4096), (24, 4096), torch.float32, "128 rows > 64")],
 )
 def test_other_products_left_alone(shape_a, shape_w, dtype, reason):
     compiled, report, probe = compile_with_probe(linear, skinny_mm)
