@@ -84,8 +84,10 @@ def _ratio(value: float | None) -> str:
 def _forms_cell(case: dict) -> str:
     """The other forms of the optimize() step: time and ratio to torch.compile default."""
     ratios = case.get("speedup_forms_vs_compile_default", {})
-    return "; ".join(f"{FORM_NAMES[form]} {_fmt_us(us)} ({_ratio(ratios.get(form))})"
-                     for form, us in case.get("us_forms", {}).items()) or "-"
+    cells = [f"{FORM_NAMES[form]} {_fmt_us(us)} ({_ratio(ratios.get(form))})"
+             for form, us in case.get("us_forms", {}).items()]
+    cells += [f"{FORM_NAMES[form]} {status}" for form, status in case.get("forms_status", {}).items()]
+    return "; ".join(cells) or "-"
 
 
 def case_line(case: dict) -> str:
@@ -97,7 +99,7 @@ def case_line(case: dict) -> str:
     worst = max((c.get("max_err", 0.0) for c in case["check"].values()), default=0.0)
     ratio = case.get("speedup_vs_compile_default")
     versus = "" if ratio is None else f" | x{ratio:.2f} vs torch.compile default"
-    if case.get("us_forms"):
+    if case.get("us_forms") or case.get("forms_status"):
         versus += f" ({_forms_cell(case)})"
     return f"{head} {times}{versus} | correct: {'yes' if case['correct'] else 'NO'} (max token err {worst:.2e})"
 

@@ -33,9 +33,10 @@ class Engine:
     """A static-cache serving engine around one transformers DeepseekV4ForCausalLM.
 
     `step(input_ids [B, T] int64, start_pos [B] int64, rows [B] int64) -> logits [B, T, V]` runs
-    the compiled step (decode and verify) with its inputs checked; `compiled_step` is the same
-    without checks, `module` the same uncompiled (it also runs the prefill chunks). `generate`
-    drives them. `report` lists what the dsv4 passes matched.
+    the compiled step (decode and verify) with its inputs checked, taking them on the host or on
+    the engine's device; `compiled_step` is the same without checks or uploads (inputs on the
+    device), `module` the same uncompiled (it also runs the prefill chunks). `generate` drives
+    them. `report` lists what the dsv4 passes matched.
     """
 
     def __init__(self, model: nn.Module, *, max_batch: int, max_context: int, verify_tokens: int,
@@ -83,14 +84,17 @@ class Engine:
         return logits
 
     def _to_device(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Host tensors -> copies on the engine's GPU without a host sync: each goes through a
+        """The step's inputs on the engine's device, contiguous (the compiled graphs guard on strides)."""
+        return tuple(t.contiguous() if t.device == self.device else self._upload(t) for t in tensors)
+
+    def _upload(self, host: torch.Tensor) -> torch.Tensor:
+        """A copy of a host tensor on the engine's device. To a GPU without a host sync: through a
         pinned copy of its own (the caching host allocator keeps that block until the transfer has
-        run), so the caller may reuse its tensors at once. Tensors already there pass through."""
+        run), so the caller may reuse `host` at once."""
         if self.device.type != "cuda":
-            return tensors
-        return tuple(t if t.device == self.device else
-                     torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t).to(self.device, non_blocking=True)
-                     for t in tensors)
+            return host.to(self.device)
+        pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True).copy_(host)
+        return pinned.to(self.device, non_blocking=True)
 
     def expected_sites(self) -> list[tuple[str, int]]:
         """(pass, layer) sites every compiled graph should have: sparse MLA in each layer, the

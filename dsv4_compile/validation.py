@@ -41,9 +41,11 @@ def check_step_inputs(input_ids: object, start_pos: object, rows: object, *, max
         if value.dtype != torch.int64:
             raise TypeError(f"{name} must be torch.int64; got {value.dtype}")
     devices = {value.device for _, value in named}
-    if len(devices) > 1 or not devices <= {torch.device("cpu"), torch.device(device)}:
-        raise ValueError(f"input_ids, start_pos and rows must all be on the host (cpu) or all on the engine's "
-                         f"device {device}; got {', '.join(str(value.device) for _, value in named)}")
+    allowed = dict.fromkeys([torch.device("cpu"), torch.device(device)])
+    if len(devices) > 1 or not devices <= set(allowed):
+        where = " or all on ".join(str(d) for d in allowed)
+        got = ", ".join(f"{name} on {value.device}" for name, value in named)
+        raise ValueError(f"input_ids, start_pos and rows must all be on {where}; got {got}")
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [B, T]; got shape {tuple(input_ids.shape)}")
     batch, tokens = input_ids.shape

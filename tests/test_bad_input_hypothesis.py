@@ -92,10 +92,10 @@ def bad_step_calls(draw):
     if kind == "tokens":
         wide = draw(st.integers(17, 40))  # the engine's step_tokens is max(16, VERIFY + 1) = 16
         return torch.zeros(1, wide, dtype=torch.int64), start[:1], rows[:1], "tokens per step"
-    if kind == "device":  # one of the three elsewhere than the host (the engine's device here)
+    if kind == "device":  # meta: neither the host nor the engine's device (the engine is on the host here)
         moved = draw(st.integers(0, 2))
         call = [t.to("meta") if i == moved else t for i, t in enumerate((ids, start, rows))]
-        return (*call, "must all be on the host")
+        return (*call, f"{('input_ids', 'start_pos', 'rows')[moved]} on meta")
     return ids.tolist(), start, rows, "input_ids"
 
 
