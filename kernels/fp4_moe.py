@@ -833,12 +833,10 @@ def _gate_up_mma_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_WARPS: tl.constexpr, KPACK: tl.constexpr, PREFETCH: tl.constexpr, PACKED: tl.constexpr,
     COMPILED: tl.constexpr,
-    TILED: tl.constexpr, PDL_STEPS: tl.constexpr,
+    TILED: tl.constexpr,
 ):
     """x [M, K] (int32 pairs where PACKED), w13 / scales as int32 words -> hidden [M*k, I] (rows in
     sorted-pair order)."""
-    if COMPILED and PDL_STEPS >= 0:  # the down kernel may start once every program got here
-        tl.extra.cuda.gdc_launch_dependents()
     block = tl.program_id(1)
     expert = tl.load(block_expert_ptr + block)
     if expert >= E:
@@ -912,25 +910,6 @@ def _down_mma_step(acc, h_raw, words, scales, k0, zero, IS_MX: tl.constexpr, GRO
 
 
 @triton.jit
-def _prefetch_slab_l2(w_base, s_base, row0, stride_wn, stride_sn, COLS: tl.constexpr, BLOCK_N: tl.constexpr,
-                      TILED: tl.constexpr):
-    """Hints the packed words and scale words of rows [row0, row0 + BLOCK_N) x columns [0, COLS) of an
-    FP4 matrix (int32 word pointers, as `_mma_load_weights` reads it) into L2, one prefetch.global.L2 a
-    128-byte line: two rows of a tile when TILED, 256 values of a row otherwise; the scale words one
-    line a row. No result: a pure latency hint."""
-    ROW_STEP: tl.constexpr = 2 if TILED else 1
-    COL_STEP: tl.constexpr = _TILE_COLS if TILED else 256
-    rows = row0 + tl.arange(0, BLOCK_N // ROW_STEP)[:, None] * ROW_STEP
-    cols = tl.arange(0, COLS // COL_STEP)[None, :] * COL_STEP
-    ptrs = w_base + _at(rows, cols, stride_wn, TILED, 8)
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
-    s_ptrs = s_base + (row0 + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_sn
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [s_ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _down_mma_kernel(
     hidden_ptr, order_ptr, block_expert_ptr, block_start_ptr, block_end_ptr, weights_ptr,
     w2_ptr, s2_ptr, g2_ptr, pair_out_ptr,
@@ -940,11 +919,10 @@ def _down_mma_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_WARPS: tl.constexpr, KPACK: tl.constexpr, PREFETCH: tl.constexpr, PACKED: tl.constexpr,
     COMPILED: tl.constexpr,
-    TILED: tl.constexpr, PDL_STEPS: tl.constexpr,
+    TILED: tl.constexpr,
 ):
     """hidden [M*k, I] (int32 pairs where PACKED), w2 / scales as int32 words -> weighted pair
-    outputs [M*k, K] f32. PDL_STEPS >= 0: launched as a programmatic dependent of the gate/up kernel,
-    it hints its first PDL_STEPS K steps of weights into L2 before waiting for the hidden rows."""
+    outputs [M*k, K] f32."""
     block = tl.program_id(1)
     expert = tl.load(block_expert_ptr + block)
     if expert >= E:
@@ -956,10 +934,6 @@ def _down_mma_kernel(
     col0 = tl.program_id(0) * BLOCK_N
     w_base = w2_ptr + expert.to(tl.int64) * stride_we
     s_base = s2_ptr + expert.to(tl.int64) * stride_se
-    if COMPILED and PDL_STEPS >= 0:
-        if PDL_STEPS > 0:
-            _prefetch_slab_l2(w_base, s_base, col0, stride_wn, stride_sn, PDL_STEPS * BLOCK_K, BLOCK_N, TILED)
-        tl.extra.cuda.gdc_wait()
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if PREFETCH:  # as in _gate_up_mma_kernel
         ha, wa, sa = _down_mma_loads(hidden_ptr, rows, row_mask, w_base, s_base, col0, 0, True, stride_h, stride_wn,
@@ -1018,7 +992,6 @@ class TileConfig:
     num_warps: int = 4
     num_stages: int = 1
     prefetch: bool = False
-    pdl_steps: int = -1
 
     def __post_init__(self):
         if self.path not in ("gemv", "dot", "mma"):
@@ -1035,9 +1008,6 @@ class TileConfig:
         if self.path == "mma" and self.block_n % (16 * self.num_warps):
             raise ValueError(f"TileConfig.block_n must be a multiple of 16 * num_warps = {16 * self.num_warps} "
                              f"for the mma path, got {self.block_n}")
-        if self.pdl_steps >= 0 and (self.path != "mma" or self.pdl_steps & (self.pdl_steps - 1)):
-            raise ValueError(f"TileConfig.pdl_steps applies to the mma path and must be -1, 0 or a power of two, "
-                             f"got {self.pdl_steps}")
         if self.prefetch and not (self.path == "gemv" or (self.path == "mma" and self.num_stages == 1)):
             raise ValueError("TileConfig.prefetch applies to the gemv path and to the mma path with num_stages=1 "
                              "(the others pipeline with num_stages)")
@@ -1178,13 +1148,7 @@ def fp4_moe_pairs_triton(
         x_in, x_packed = (x.view(torch.int32), True) if x.dtype == torch.bfloat16 else (x, False)
         h_in, h_packed = ((hidden_rows.view(torch.int32), True) if hidden_rows.dtype == torch.bfloat16
                           else (hidden_rows, False))
-        pdl_steps = config.pdl_steps if not interpreted and torch.cuda.get_device_capability(x.device)[0] >= 9 else -1
-        if pdl_steps > 0:  # whole 128-value tile columns (256 in row-major rows), at most I
-            pdl_steps = max(min(pdl_steps, inter // block_k), (TILE_COLS if tiled else 256) // block_k)
-        gate_up_extra = dict(PACKED=x_packed, PDL_STEPS=min(pdl_steps, 0))  # gate/up: only whether
-        down_extra = dict(PACKED=h_packed, PDL_STEPS=pdl_steps)
-        if pdl_steps >= 0:
-            down_extra["launch_pdl"] = True
+        gate_up_extra, down_extra = dict(PACKED=x_packed), dict(PACKED=h_packed)
     else:
         gate_up, down = _gate_up_kernel, _down_kernel
         common.update(USE_DOT_SCALED=use_dot_scaled, DOT_DTYPE=dot_dtype)
