@@ -62,13 +62,30 @@ def _event_time_us(event: Any, device: torch.device) -> float:
     return float(event.self_cpu_time_total)
 
 
+def busy_and_span(intervals: list[tuple[float, float]]) -> tuple[float, float]:
+    """(time covered by the union of the [start, end] intervals, last end - first start); 0s if none."""
+    busy, reach = 0.0, None
+    for start, end in sorted(intervals):
+        if reach is None or start > reach:
+            busy += end - start
+            reach = end
+        elif end > reach:
+            busy += end - reach
+            reach = end
+    if reach is None:
+        return 0.0, 0.0
+    return busy, max(end for _, end in intervals) - min(start for start, _ in intervals)
+
+
 def kernel_breakdown(fn: Step, device: torch.device, steps: int = 3, top: int = 40) -> dict:
     """Where the time of `steps` calls of fn goes, from torch.profiler.
 
     CUDA: every GPU kernel / memcpy / memset by self device time (kernels replayed inside CUDA
     graphs included). CPU: every op by self CPU time. Returns {"total_us_per_step",
     "kernels": [{"name", "us_per_step", "share"}] (the `top` largest, share of the total),
-    "other_share"}.
+    "other_share"}; on CUDA also "gpu_span_us_per_step" (first kernel start to last kernel end
+    over the calls, per call) and "gpu_idle_us_per_step" (the part of that span in which no
+    kernel, copy or fill ran: launch gaps, and the host where the GPU waited for it).
     """
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -93,8 +110,13 @@ def kernel_breakdown(fn: Step, device: torch.device, steps: int = 3, top: int = 
     total = sum(times.values())
     ranked = sorted(times.items(), key=lambda item: -item[1])[:top]
     kernels = [{"name": name, "us_per_step": spent / steps, "share": spent / total} for name, spent in ranked]
-    return {"total_us_per_step": total / steps, "kernels": kernels,
-            "other_share": 1.0 - sum(k["share"] for k in kernels) if total else 0.0}
+    found = {"total_us_per_step": total / steps, "kernels": kernels,
+             "other_share": 1.0 - sum(k["share"] for k in kernels) if total else 0.0}
+    if device.type == "cuda":
+        busy, span = busy_and_span([(e.time_range.start, e.time_range.end) for e in prof.events()
+                                    if e.device_type == wanted and e.time_range.end > e.time_range.start])
+        found.update(gpu_span_us_per_step=span / steps, gpu_idle_us_per_step=(span - busy) / steps)
+    return found
 
 
 def compare_logits(got: torch.Tensor, ref: torch.Tensor, median_tol: float, max_tol: float) -> dict:

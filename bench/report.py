@@ -185,6 +185,14 @@ def _compile_table(results: dict) -> list[str]:
     return lines
 
 
+def _idle_note(found: dict) -> str:
+    """How long the GPU waited between kernels in the profiled calls (CUDA profiles only)."""
+    if "gpu_idle_us_per_step" not in found:
+        return ""
+    return (f"; in the profiled calls the GPU was idle {_fmt_us(found['gpu_idle_us_per_step'])} of a "
+            f"{_fmt_us(found['gpu_span_us_per_step'])} span per step")
+
+
 def _breakdown_tables(results: dict, top: int = 8) -> list[str]:
     lines = []
     for c in results["cases"]:
@@ -195,7 +203,7 @@ def _breakdown_tables(results: dict, top: int = 8) -> list[str]:
                 continue
             lines += ["", f"**B={c['B']} T={c['T']} ctx={c['ctx']}, {VARIANT_NAMES[variant]}**: "
                           f"{_fmt_us(found['total_us_per_step'])} of kernel time per step "
-                          f"(step median {_fmt_us(c['us'].get(variant))})", "",
+                          f"(step median {_fmt_us(c['us'].get(variant))}){_idle_note(found)}", "",
                       "| kernel | per step | share |", "|---|---|---|"]
             lines += [f"| `{k['name'][:90]}` | {_fmt_us(k['us_per_step'])} | {k['share']:.1%} |"
                       for k in found["kernels"][:top]]

@@ -116,3 +116,21 @@ def test_expert_layouts_switch_between_row_major_and_tiled():
             experts = layer.mlp.experts
             assert experts.tiled == tiled and experts.w2.ndim == (5 if tiled else 3)
             assert (experts.w13 is original) == (not tiled)
+
+
+@pytest.mark.parametrize("intervals, busy, span", [
+    ([], 0.0, 0.0),
+    ([(0.0, 4.0)], 4.0, 4.0),
+    ([(5.0, 7.0), (0.0, 2.0)], 4.0, 7.0),  # disjoint, unsorted: 3 idle between them
+    ([(0.0, 4.0), (1.0, 2.0), (3.0, 6.0)], 6.0, 6.0),  # nested and overlapping: no idle
+    ([(0.0, 1.0), (1.0, 2.0), (2.5, 3.0)], 2.5, 3.0),  # touching, then a 0.5 gap
+])
+def test_busy_and_span_counts_the_union_of_kernel_intervals(intervals, busy, span):
+    assert _from_bench("measure", "busy_and_span")(intervals) == (busy, span)
+
+
+def test_breakdown_table_reports_gpu_idle_only_where_profiled():
+    idle_note = _from_bench("report", "_idle_note")
+    assert idle_note({"total_us_per_step": 10.0, "kernels": []}) == ""
+    note = idle_note({"gpu_idle_us_per_step": 160.0, "gpu_span_us_per_step": 4120.0})
+    assert note == "; in the profiled calls the GPU was idle 160.0 µs of a 4.120 ms span per step"
