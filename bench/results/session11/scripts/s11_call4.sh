@@ -4,5 +4,5 @@ mkdir -p /tmp/pp && cp -r dsv4_compile /tmp/pp/ && cp -r passes kernels lowering
 export PYTHONPATH=/tmp/pp:$PWD
 export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d)
 S=$(date +%s)
-timeout 560 python tmp_gpu/s11_pdl_e2e.py 64 base,gemm_at,gemm_at+cdt 2>&1 | tee $OUT/s11_autotune_e2e.txt | grep -E "^B=|^\[|max \|" | tail -20
+ROUNDS=6 timeout 200 python tmp_gpu/s11_pdl_e2e.py 64 base,tiles 2>&1 | tee $OUT/s11_tiles_e2e_rounds.txt | grep -E "^B=|^\[|max \||overridden" | tail -20
 echo "rc=$? $(( $(date +%s)-S ))s"

@@ -60,8 +60,9 @@ for name in variants:
     torch._inductor.config.coordinate_descent_tuning = "cdt" in name
     moe.DEFAULT_CONFIGS.clear(); moe.DEFAULT_CONFIGS.update(defaults)
     moe._gate_up_mma_kernel, moe._down_mma_kernel = KERNELS
-    if "tiles" in name:  # gate/up 16 rows a program, down 64 rows on 2 warps (the mma config only)
+    if "tiles" in name or "g16" in name:  # gate/up 16 rows a program (the mma config only)
         moe._gate_up_mma_kernel = Override(KERNELS[0], 16, None, None, None, only_block_n=32)
+    if "tiles" in name or "d64" in name:  # down 64 rows on 2 warps (the mma config only)
         moe._down_mma_kernel = Override(KERNELS[1], 64, None, 2, None, only_block_n=32)
     if "moe_pdl=" in name:
         n = int(name.split("moe_pdl=")[1])
@@ -86,14 +87,15 @@ for name in variants:
     for _ in range(3):
         run()
     steps[name] = run
-    if "tiles" in name:
-        print(f"  overridden launches: gate_up {moe._gate_up_mma_kernel.launches}, down {moe._down_mma_kernel.launches}", flush=True)
+    if any(t in name for t in ("tiles", "g16", "d64")):
+        print(f"  overridden launches: gate_up {getattr(moe._gate_up_mma_kernel, 'launches', '-')}, down {getattr(moe._down_mma_kernel, 'launches', '-')}", flush=True)
     err = (logits[name] - logits[variants[0]]).abs().max().item()
     print(f"  max |logits - {variants[0]}| = {err:.3e} (logit scale {logits[variants[0]].abs().max().item():.2f})", flush=True)
 
 res = {n: {"do_bench": [], "b2b": []} for n in steps}
 s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-for _ in range(3):
+import os
+for _ in range(int(os.environ.get("ROUNDS", "3"))):
     for n, fn in steps.items():
         res[n]["do_bench"].append(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3)
         torch.cuda.synchronize(); s.record()
@@ -105,7 +107,7 @@ base = res[variants[0]]
 for n, r in res.items():
     print(f"B={B} {n:22s} do_bench {min(r['do_bench']):8.1f} us ({min(r['do_bench']) / min(base['do_bench']):.4f})"
           f"  back-to-back {min(r['b2b']):8.1f} us ({min(r['b2b']) / min(base['b2b']):.4f})"
-          f"  runs {[round(v) for v in r['do_bench']]}", flush=True)
+          f"  runs {[round(v) for v in r['do_bench']]} b2b runs {[round(v) for v in r['b2b']]}", flush=True)
 from torch.profiler import ProfilerActivity, profile
 for n, fn in steps.items():
     fn(); torch.cuda.synchronize()
@@ -118,7 +120,7 @@ for n, fn in steps.items():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             us = ev.device_time if hasattr(ev, "device_time") else ev.cuda_time
             total += us
-            key = ("moe" if "mma_kernel" in ev.name else "cublas" if ("nvjet" in ev.name or "cublas" in ev.name or "gemm" in ev.name.lower())
+            key = (ev.name if "mma_kernel" in ev.name else "cublas" if ("nvjet" in ev.name or "cublas" in ev.name or "gemm" in ev.name.lower())
                    else "triton_mm" if ev.name.startswith("triton_tem") or "_mm_" in ev.name else
                    "inductor" if ev.name.startswith("triton_") else "other")
             sums[key] = sums.get(key, 0.0) + us
