@@ -64,17 +64,14 @@ def _event_time_us(event: Any, device: torch.device) -> float:
 
 def busy_and_span(intervals: list[tuple[float, float]]) -> tuple[float, float]:
     """(time covered by the union of the [start, end] intervals, last end - first start); 0s if none."""
-    busy, reach = 0.0, None
-    for start, end in sorted(intervals):
-        if reach is None or start > reach:
-            busy += end - start
-            reach = end
-        elif end > reach:
-            busy += end - reach
-            reach = end
-    if reach is None:
+    ordered = sorted(intervals)
+    if not ordered:
         return 0.0, 0.0
-    return busy, max(end for _, end in intervals) - min(start for start, _ in intervals)
+    busy, reach = 0.0, ordered[0][0]
+    for start, end in ordered:
+        busy += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    return busy, reach - ordered[0][0]
 
 
 def kernel_breakdown(fn: Step, device: torch.device, steps: int = 3, top: int = 40) -> dict:

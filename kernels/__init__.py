@@ -1,6 +1,6 @@
 """Triton kernels for the dsv4 ops, each beside its torch reference and its torch.library
 registration. Importing this package registers torch.ops.dsv4.*."""
-# With the checkout's root on sys.path (`python -m bench`, a script run from the root) this folder is
+# With the checkout's root on sys.path (a script or `python -c` run from the root) this folder is
 # also importable as a top-level `kernels`, the name under which transformers probes for the Hugging
 # Face `kernels` package (by importing it). Only dsv4_compile.kernels registers the ops, so that one
 # copy of each module serves them and what is set on dsv4_compile.kernels.* applies to the ops.
