@@ -105,17 +105,19 @@ def sparse_mla_cases() -> None:
 # memcheck sees a missing mask), and the mma path with its cp.async-pipelined weight and scale-word
 # loads, in wgmma (BLOCK_M 16) and mma.sync (BLOCK_M 8) operand order, the one-step register loop at
 # every M, and the two-steps-a-turn loop with 256-column steps (masked loads past the last K step, as
-# the GEMV one; the defaults run it with 128-column steps).
+# the GEMV one; the defaults run it with 128-column steps); and a down kernel with a shape of its own.
 FORCED_CONFIGS = {
     "prefetch": fp4_moe.TileConfig("gemv", 1, 16, 512, num_warps=4, prefetch=True),
     "mma16": fp4_moe.TileConfig("mma", 16, 128, 128, num_warps=4, num_stages=3),
     "mma_staged": fp4_moe.TileConfig("mma", 8, 16, 512, num_warps=1, num_stages=2),
     "mma_plain": fp4_moe.TileConfig("mma", 8, 32, 256, num_warps=1, num_stages=1),
     "mma_prefetch": fp4_moe.TileConfig("mma", 8, 16, 256, num_warps=1, num_stages=1, prefetch=True),
+    "mma_down_shape": fp4_moe.TileConfig("mma", 8, 16, 128, num_warps=1, num_stages=1, prefetch=True,
+                                         down_block_n=64, down_num_warps=2),
 }
 # On the tiled experts optimize() gives the model (dsv4_compile.fp4_tiles): the default launch and one
 # config of each path (the dot path's prefill tile among them), whose loads all address tiles.
-TILED_FORCED = ("prefetch", "mma_prefetch", "dot64")
+TILED_FORCED = ("prefetch", "mma_prefetch", "mma_down_shape", "dot64")
 
 
 def fp4_moe_cases(gen: torch.Generator) -> None:

@@ -982,7 +982,8 @@ class TileConfig:
     block_m: pair rows per expert block; block_n: output columns per program; block_k: reduction
     columns per loop step (clamped to what divides K and I, see `_fit_block_k`); prefetch (GEMV path, and
     mma path with num_stages=1): load the next K step's weights before decoding the current one (see the
-    GEMV path and MMA path comments).
+    GEMV path and MMA path comments). down_block_n, down_num_warps (mma path; 0 = as block_n, num_warps):
+    the down kernel's own output columns per program and warps.
     """
 
     path: str
@@ -992,6 +993,8 @@ class TileConfig:
     num_warps: int = 4
     num_stages: int = 1
     prefetch: bool = False
+    down_block_n: int = 0
+    down_num_warps: int = 0
 
     def __post_init__(self):
         if self.path not in ("gemv", "dot", "mma"):
@@ -1008,9 +1011,22 @@ class TileConfig:
         if self.path == "mma" and self.block_n % (16 * self.num_warps):
             raise ValueError(f"TileConfig.block_n must be a multiple of 16 * num_warps = {16 * self.num_warps} "
                              f"for the mma path, got {self.block_n}")
+        for name in ("down_block_n", "down_num_warps"):
+            value = getattr(self, name)
+            if value and (self.path != "mma" or value < 0 or value & (value - 1)):
+                raise ValueError(f"TileConfig.{name} applies to the mma path and must be 0 or a power of two, "
+                                 f"got {value} for path {self.path!r}")
+        down_n, down_warps = self.down_shape()
+        if self.path == "mma" and down_n % (16 * down_warps):
+            raise ValueError(f"TileConfig: the down kernel's block_n {down_n} must be a multiple of 16 * its "
+                             f"num_warps = {16 * down_warps} for the mma path")
         if self.prefetch and not (self.path == "gemv" or (self.path == "mma" and self.num_stages == 1)):
             raise ValueError("TileConfig.prefetch applies to the gemv path and to the mma path with num_stages=1 "
                              "(the others pipeline with num_stages)")
+
+    def down_shape(self) -> tuple[int, int]:
+        """(output columns per program, warps) of the down kernel."""
+        return self.down_block_n or self.block_n, self.down_num_warps or self.num_warps
 
 
 # The path by average pairs per expert (M*k / E; a static shape fact, so the choice is
@@ -1125,13 +1141,12 @@ def fp4_moe_pairs_triton(
     block_k = _fit_block_k(config.block_k, hidden, inter, group)
     if config.path == "mma" and block_k < 32:
         raise ValueError(f"fp4_moe: the mma path needs K and I multiples of 32, got K={hidden}, I={inter}")
-    block_n = config.block_n
     # Scales are read as raw bytes; the nvfp4 e4m3 bytes are decoded in the kernel.
     s13, s2 = w13_scale.view(torch.uint8), w2_scale.view(torch.uint8)
     g13 = w13_global if w13_global is not None else s13  # unused pointer for mxfp4
     g2 = w2_global if w2_global is not None else s2
     weights = topk_weights.contiguous()
-    common = dict(IS_MX=fmt == "mxfp4", GROUP=group, BLOCK_M=config.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    common = dict(IS_MX=fmt == "mxfp4", GROUP=group, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k,
                   TILED=tiled, num_warps=config.num_warps, num_stages=config.num_stages)
     if config.path == "gemv":
         gate_up, down = _gate_up_gemv_kernel, _down_gemv_kernel
@@ -1148,33 +1163,37 @@ def fp4_moe_pairs_triton(
         x_in, x_packed = (x.view(torch.int32), True) if x.dtype == torch.bfloat16 else (x, False)
         h_in, h_packed = ((hidden_rows.view(torch.int32), True) if hidden_rows.dtype == torch.bfloat16
                           else (hidden_rows, False))
-        gate_up_extra, down_extra = dict(PACKED=x_packed), dict(PACKED=h_packed)
+        down_n, down_warps = config.down_shape()
+        gate_up_extra = dict(PACKED=x_packed)
+        down_extra = dict(PACKED=h_packed, BLOCK_N=down_n, NUM_WARPS=down_warps, num_warps=down_warps,
+                          KPACK=_mma_kpack(x, dataclasses.replace(config, block_n=down_n, num_warps=down_warps)))
     else:
         gate_up, down = _gate_up_kernel, _down_kernel
         common.update(USE_DOT_SCALED=use_dot_scaled, DOT_DTYPE=dot_dtype)
     if config.path != "mma":
         x_in, h_in, gate_up_extra, down_extra = x, hidden_rows, {}, {}
+    gate_up_args, down_args = {**common, **gate_up_extra}, {**common, **down_extra}
     num_blocks = block_expert.numel()
     # The mma kernels take the column tile as program_id(0): launch order then runs an expert's
     # tiles together and the empty blocks (at the table's end) last, where their programs only fill
     # the final wave's free slots instead of taking slots in every wave.
-    def grid(columns: int) -> tuple[int, int]:
-        tiles = triton.cdiv(columns, block_n)
+    def grid(columns: int, args: dict) -> tuple[int, int]:
+        tiles = triton.cdiv(columns, args["BLOCK_N"])
         return (tiles, num_blocks) if config.path == "mma" else (num_blocks, tiles)
 
     # K, I, k are constexpr: fixed per model, and loop bounds the interpreter (numpy >= 2.4) accepts.
-    gate_up[grid(inter)](
+    gate_up[grid(inter, gate_up_args)](
         x_in, order, block_expert, block_start, block_end, w13, s13, g13, hidden_rows,
         experts,
         x_in.stride(0), w13.stride(0), _row_step(w13), s13.stride(0), s13.stride(1), hidden_rows.stride(0),
         float(swiglu_limit) if swiglu_limit is not None else 0.0,
-        K=hidden, I=inter, TOP_K=top_k, HAS_LIMIT=swiglu_limit is not None, **common, **gate_up_extra,
+        K=hidden, I=inter, TOP_K=top_k, HAS_LIMIT=swiglu_limit is not None, **gate_up_args,
     )
-    down[grid(hidden)](
+    down[grid(hidden, down_args)](
         h_in, order, block_expert, block_start, block_end, weights, w2, s2, g2, pair_out,
         experts,
         h_in.stride(0), w2.stride(0), _row_step(w2), s2.stride(0), s2.stride(1), pair_out.stride(0),
-        K=hidden, I=inter, **common, **down_extra,
+        K=hidden, I=inter, **down_args,
     )
     return pair_out
 

@@ -86,6 +86,33 @@ def test_kernel_matches_reference(tokens, experts, top_k, inter, hidden, fmt, ro
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("config", [
+    moe.TileConfig("mma", 8, 16, 32, num_warps=1, prefetch=True, down_block_n=64, down_num_warps=2),
+    # gate/up in mma.sync operand order (KPACK 2), down in wgmma order (KPACK 1)
+    moe.TileConfig("mma", 16, 16, 64, num_warps=1, down_block_n=64, down_num_warps=4),
+])
+@pytest.mark.parametrize("tiled", [False, True])
+def test_down_kernel_with_a_shape_of_its_own_matches_reference(fmt, config, tiled):
+    """TileConfig.down_block_n / down_num_warps launch the down kernel with other output columns
+    and warps than gate/up (its own grid), on row-major and tiled experts; every valid pair row is
+    written (NaN-poisoned before) and the combined output equals the reference."""
+    from dsv4_compile.fp4_tiles import tile_fp4
+
+    tokens, experts, top_k, hidden, inter = 6, 3, 2, 128, 128
+    w = make_experts(fmt, experts, hidden, inter, seed=11)
+    if tiled:
+        w = dict(w, w13=tile_fp4(w["w13"]), w2=tile_fp4(w["w2"]))
+    ids, weights = make_routing(tokens, top_k, experts, "skewed", seed=11)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(12))
+    pair_out = torch.full((tokens * top_k, hidden), float("nan"))
+    pairs = moe.fp4_moe_pairs_triton(*_args(x, ids, weights, w, 0.05), pair_out=pair_out, config=config)
+    valid = ((ids >= 0) & (ids < experts)).reshape(-1)
+    assert not pairs[valid].isnan().any()
+    want = moe.fp4_moe_reference(*_args(x, ids, weights, w, 0.05))
+    assert_close_scaled(combine_pairs(pairs, ids, experts, torch.float32), want, torch.float32)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 def test_reference_matches_gather_dequantise_form(fmt):
     """The reference (loop over hit experts) against the model's plain-torch form (dequantise the
     gathered weights, dense math): two independent computations of the same spec."""
@@ -256,7 +283,10 @@ def test_size_class_rule(tokens, mxfp4, nvfp4, mxfp4_native):
     [(dict(path="tiles"), "path"), (dict(block_n=24), "block_n"), (dict(block_k=0), "block_k"),
      (dict(path="dot", block_m=8), "block_m"), (dict(path="dot", block_m=16, prefetch=True), "prefetch"),
      (dict(path="mma", block_n=32), "block_n"), (dict(path="mma", block_n=64, num_stages=2, prefetch=True), "prefetch"),
-     (dict(path="mma", block_n=64, block_k=16), "block_k")],
+     (dict(path="mma", block_n=64, block_k=16), "block_k"), (dict(down_block_n=32), "down_block_n"),
+     (dict(path="mma", num_warps=1, down_block_n=48), "down_block_n"),
+     (dict(path="mma", num_warps=1, down_num_warps=3), "down_num_warps"),
+     (dict(path="mma", num_warps=1, down_block_n=16, down_num_warps=2), "down kernel")],
 )
 def test_tile_config_rejects_bad_values(kwargs, match):
     base = dict(path="gemv", block_m=1, block_n=16, block_k=64)
