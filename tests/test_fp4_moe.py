@@ -54,6 +54,21 @@ def assert_close_scaled(got, want, dtype):
     assert err <= TOL[dtype] * scale, f"max error {err} vs scale {scale}"
 
 
+def check_pairs_against_reference(x, ids, weights, w, limit, config, tol_dtype):
+    """Runs the launcher with `config` into NaN-poisoned pair rows: every valid pair row must be
+    written and the combined output must equal the reference (tolerance of `tol_dtype`).
+    Returns the reference output [M, K]."""
+    tokens, top_k = ids.shape
+    experts = w["w13"].shape[0]
+    pair_out = torch.full((tokens * top_k, x.shape[1]), float("nan"))
+    pairs = moe.fp4_moe_pairs_triton(*_args(x, ids, weights, w, limit), pair_out=pair_out, config=config)
+    valid = ((ids >= 0) & (ids < experts)).reshape(-1)
+    assert not pairs[valid].isnan().any()
+    want = moe.fp4_moe_reference(*_args(x, ids, weights, w, limit))
+    assert_close_scaled(combine_pairs(pairs, ids, experts, x.dtype), want, tol_dtype)
+    return want
+
+
 @given(
     tokens=st.integers(1, 9),
     experts=st.integers(1, 5),
@@ -72,13 +87,7 @@ def test_kernel_matches_reference(tokens, experts, top_k, inter, hidden, fmt, ro
     w = make_experts(fmt, experts, hidden, inter, seed)
     ids, weights = make_routing(tokens, top_k, experts, routing, seed)
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
-    # Poison every pair row; the valid ones must all be overwritten, skipped ones are masked.
-    pair_out = torch.full((tokens * top_k, hidden), float("nan"))
-    pairs = moe.fp4_moe_pairs_triton(*_args(x, ids, weights, w, limit), pair_out=pair_out, config=config)
-    valid = ((ids >= 0) & (ids < experts)).reshape(-1)
-    assert not pairs[valid].isnan().any()
-    want = moe.fp4_moe_reference(*_args(x, ids, weights, w, limit))
-    assert_close_scaled(combine_pairs(pairs, ids, experts, dtype), want, dtype)
+    want = check_pairs_against_reference(x, ids, weights, w, limit, config, dtype)
     if config is None:  # the op takes the same launch; run it once per rule-chosen example only
         got = torch.ops.dsv4.fp4_moe(*_args(x, ids, weights, w, limit))
         assert got.dtype == dtype and got.shape == x.shape
@@ -104,12 +113,7 @@ def test_down_kernel_with_a_shape_of_its_own_matches_reference(fmt, config, tile
         w = dict(w, w13=tile_fp4(w["w13"]), w2=tile_fp4(w["w2"]))
     ids, weights = make_routing(tokens, top_k, experts, "skewed", seed=11)
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(12))
-    pair_out = torch.full((tokens * top_k, hidden), float("nan"))
-    pairs = moe.fp4_moe_pairs_triton(*_args(x, ids, weights, w, 0.05), pair_out=pair_out, config=config)
-    valid = ((ids >= 0) & (ids < experts)).reshape(-1)
-    assert not pairs[valid].isnan().any()
-    want = moe.fp4_moe_reference(*_args(x, ids, weights, w, 0.05))
-    assert_close_scaled(combine_pairs(pairs, ids, experts, torch.float32), want, torch.float32)
+    check_pairs_against_reference(x, ids, weights, w, 0.05, config, torch.float32)
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
@@ -214,12 +218,7 @@ def test_each_path_matches_reference(path_config, fmt):
     ids, weights = make_routing(tokens, top_k, experts, "skewed", seed=11)
     ids[0, 0], ids[1, 2] = 7, -1  # one token on a third expert, one choice on another rank
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(12))
-    pair_out = torch.full((tokens * top_k, hidden), float("nan"))
-    pairs = moe.fp4_moe_pairs_triton(*_args(x, ids, weights, w, 0.5), pair_out=pair_out, config=path_config)
-    valid = ((ids >= 0) & (ids < experts)).reshape(-1)
-    assert not pairs[valid].isnan().any()
-    want = moe.fp4_moe_reference(*_args(x, ids, weights, w, 0.5))
-    assert_close_scaled(combine_pairs(pairs, ids, experts, x.dtype), want, torch.float32)
+    check_pairs_against_reference(x, ids, weights, w, 0.5, path_config, torch.float32)
 
 
 @pytest.mark.parametrize("name", ["mma_one", "mma"])
