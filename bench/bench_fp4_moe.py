@@ -371,10 +371,11 @@ def sweep_case(fmt, tokens, cfg, w, timer, device, gen, candidates) -> list[dict
 
 
 def _down_cell(config: dict) -> str:
-    """The down kernel's own shape where the config gives one (`TileConfig.down_shape`), else empty."""
-    if not (config.get("down_block_n") or config.get("down_num_warps")):
+    """The down kernel's own shape (`TileConfig.down_shape`) where the config gives one, else empty."""
+    if not (config["down_block_n"] or config["down_num_warps"]):
         return ""
-    return f"{config['down_block_n'] or config['block_n']} x {config['down_num_warps'] or config['num_warps']}"
+    down_n, down_warps = moe.TileConfig(**config).down_shape()
+    return f"{down_n} x {down_warps}"
 
 
 def sweep_markdown(rows: list[dict], meta: dict) -> str:

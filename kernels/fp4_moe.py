@@ -627,10 +627,11 @@ def _scale_words(scale: torch.Tensor) -> torch.Tensor:
     return _as_words(scale)
 
 
-def _mma_kpack(x: torch.Tensor, config: TileConfig) -> int:
-    """Code pairs per thread that the MMA operand layout keeps adjacent: 1 where Triton uses sm_90's
-    wgmma (operand kWidth 2), 2 for mma.sync (kWidth 4). The interpreter follows the sm_90 rule."""
-    wgmma = config.block_m >= 16 and config.block_n % 64 == 0 and config.num_warps % 4 == 0
+def _mma_kpack(x: torch.Tensor, block_m: int, block_n: int, num_warps: int) -> int:
+    """Code pairs per thread that the MMA operand layout of a [block_n, block_m] tile on num_warps keeps
+    adjacent: 1 where Triton uses sm_90's wgmma (operand kWidth 2), 2 for mma.sync (kWidth 4). The
+    interpreter follows the sm_90 rule."""
+    wgmma = block_m >= 16 and block_n % 64 == 0 and num_warps % 4 == 0
     if x.is_cuda:
         wgmma = wgmma and torch.cuda.get_device_capability(x.device)[0] == 9
     return 1 if wgmma else 2
@@ -1154,7 +1155,7 @@ def fp4_moe_pairs_triton(
         x, w13, w2 = word_major(x.float()), _as_words(w13), _as_words(w2)
     elif config.path == "mma":
         gate_up, down = _gate_up_mma_kernel, _down_mma_kernel
-        kpack = _mma_kpack(x, config)
+        kpack = _mma_kpack(x, config.block_m, config.block_n, config.num_warps)
         common.update(DOT_DTYPE=dot_dtype, NUM_WARPS=config.num_warps, KPACK=kpack, PREFETCH=config.prefetch,
                       COMPILED=not interpreted)
         w13, w2 = _as_words(w13), _as_words(w2)
@@ -1166,7 +1167,7 @@ def fp4_moe_pairs_triton(
         down_n, down_warps = config.down_shape()
         gate_up_extra = dict(PACKED=x_packed)
         down_extra = dict(PACKED=h_packed, BLOCK_N=down_n, NUM_WARPS=down_warps, num_warps=down_warps,
-                          KPACK=_mma_kpack(x, dataclasses.replace(config, block_n=down_n, num_warps=down_warps)))
+                          KPACK=_mma_kpack(x, config.block_m, down_n, down_warps))
     else:
         gate_up, down = _gate_up_kernel, _down_kernel
         common.update(USE_DOT_SCALED=use_dot_scaled, DOT_DTYPE=dot_dtype)
