@@ -299,9 +299,9 @@ def _dot(block_m, block_n, block_k, warps, stages):
     return moe.TileConfig("dot", block_m, block_n, block_k, num_warps=warps, num_stages=stages)
 
 
-def _mma(block_m, block_n, block_k, warps, stages, prefetch=False, down=(0, 0)):
+def _mma(block_m, block_n, block_k, warps, stages, prefetch=False, down=(0, 0), asm=False):
     return moe.TileConfig("mma", block_m, block_n, block_k, num_warps=warps, num_stages=stages, prefetch=prefetch,
-                          down_block_n=down[0], down_num_warps=down[1])
+                          down_block_n=down[0], down_num_warps=down[1], scale_asm=asm)
 
 
 # Candidates per M at V4-Flash sizes (E=256, k=6); the table marks the default (`choose_config`). M=1
@@ -312,16 +312,19 @@ def _mma(block_m, block_n, block_k, warps, stages, prefetch=False, down=(0, 0)):
 # registers), beside the plain loop with 256-column steps (the verify default). 32 (config, M,
 # format) rows: some 2 minutes on the H200 with compiles. `down` gives the down kernel output columns and
 # warps of its own: in the eleventh session's B=64 step, gate/up on 16 rows and down on 64 rows and 2 warps
-# took 126 us less kernel time a step (its step time did not follow; bench/RESULTS.md).
+# took 126 us less kernel time a step (its step time did not follow; bench/RESULTS.md). `asm`: the scale
+# words by inline-asm loads (TileConfig.scale_asm; the default at 32 rows).
 _DECODE = [_gemv(1, 16, 512, 4, True), _mma(8, 32, 128, 1, 1, True), _mma(8, 16, 128, 1, 1, True),
-           _mma(8, 16, 128, 1, 1, True, down=(64, 2))]
+           _mma(8, 16, 128, 1, 1, True, asm=True), _mma(8, 16, 128, 1, 1, True, down=(64, 2))]
 SWEEP_CANDIDATES = {
     1: _DECODE,
     8: _DECODE,
-    64: [_mma(8, 32, 128, 1, 1, True), _mma(8, 32, 64, 1, 1, True), _mma(8, 16, 128, 1, 1, True),
+    64: [_mma(8, 32, 128, 1, 1, True, asm=True), _mma(8, 32, 128, 1, 1, True), _mma(8, 32, 64, 1, 1, True),
+         _mma(8, 16, 128, 1, 1, True),
          _mma(8, 64, 64, 1, 1, True), _mma(8, 64, 128, 2, 1, True), _mma(8, 32, 256, 1, 1),
          _mma(8, 16, 128, 1, 1, True, down=(64, 2)), _mma(8, 32, 128, 1, 1, True, down=(64, 2))],
-    256: [_mma(8, 32, 256, 1, 1), _mma(8, 32, 128, 1, 1, True), _mma(8, 32, 64, 1, 1, True),
+    256: [_mma(8, 32, 256, 1, 1), _mma(8, 32, 128, 1, 1, True, asm=True), _mma(8, 32, 128, 1, 1, True),
+          _mma(8, 32, 64, 1, 1, True),
           _mma(8, 16, 128, 1, 1, True), _mma(8, 32, 128, 1, 1, True, down=(128, 4))],
 }
 
@@ -381,9 +384,9 @@ def _down_cell(config: dict) -> str:
 def sweep_markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"# fp4_moe tile sweep ({meta['date']}, torch {meta['torch']}, triton {meta['triton']}, {meta['device']})",
              "", f"command: `{meta['command']}`", "",
-             "| fmt | M | path | BM | BN | BK | warps | stages | prefetch | down BN x warps | default | ok (rel err) "
-             "| graph ms | HBM frac | shared B |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| fmt | M | path | BM | BN | BK | warps | stages | prefetch | down BN x warps | asm scales | default "
+             "| ok (rel err) | graph ms | HBM frac | shared B |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         c = r["config"]
         ok = f"{r['correct']} ({r['max_err_rel']:.1e})" if "max_err_rel" in r else f"False ({r.get('error', '')[:60]})"
@@ -392,7 +395,8 @@ def sweep_markdown(rows: list[dict], meta: dict) -> str:
         shared = ",".join(str(v) for v in r.get("shared", [])) or "cached"
         lines.append(f"| {r['fmt']} | {r['M']} | {c['path']} | {c['block_m']} | {c['block_n']} | {c['block_k']} "
                      f"| {c['num_warps']} | {c['num_stages']} | {'yes' if c['prefetch'] else ''} "
-                     f"| {_down_cell(c)} | {'*' if r['default'] else ''} | {ok} | {ms} | {frac} | {shared} |")
+                     f"| {_down_cell(c)} | {'yes' if c['scale_asm'] else ''} | {'*' if r['default'] else ''} | {ok} "
+                     f"| {ms} | {frac} | {shared} |")
     lines += ["", "HBM frac: touched experts' bytes / 4.8 TB/s over the graph replay time. 'cached': the "
               "kernels were compiled by an earlier row. Shared memory must stay <= 101376 B."]
     return "\n".join(lines)

@@ -105,7 +105,8 @@ def sparse_mla_cases() -> None:
 # memcheck sees a missing mask), and the mma path with its cp.async-pipelined weight and scale-word
 # loads, in wgmma (BLOCK_M 16) and mma.sync (BLOCK_M 8) operand order, the one-step register loop at
 # every M, and the two-steps-a-turn loop with 256-column steps (masked loads past the last K step, as
-# the GEMV one; the defaults run it with 128-column steps); and a down kernel with a shape of its own.
+# the GEMV one; the defaults run it with 128-column steps); a down kernel with a shape of its own; and the
+# scale words by inline-asm loads on a shape the default (32 rows, which has them) does not run.
 FORCED_CONFIGS = {
     "prefetch": fp4_moe.TileConfig("gemv", 1, 16, 512, num_warps=4, prefetch=True),
     "mma16": fp4_moe.TileConfig("mma", 16, 128, 128, num_warps=4, num_stages=3),
@@ -114,10 +115,12 @@ FORCED_CONFIGS = {
     "mma_prefetch": fp4_moe.TileConfig("mma", 8, 16, 256, num_warps=1, num_stages=1, prefetch=True),
     "mma_down_shape": fp4_moe.TileConfig("mma", 8, 16, 128, num_warps=1, num_stages=1, prefetch=True,
                                          down_block_n=64, down_num_warps=2),
+    "mma_scale_asm": fp4_moe.TileConfig("mma", 8, 16, 256, num_warps=1, num_stages=1, prefetch=True,
+                                        down_block_n=64, down_num_warps=2, scale_asm=True),
 }
 # On the tiled experts optimize() gives the model (dsv4_compile.fp4_tiles): the default launch and one
 # config of each path (the dot path's prefill tile among them), whose loads all address tiles.
-TILED_FORCED = ("prefetch", "mma_prefetch", "mma_down_shape", "dot64")
+TILED_FORCED = ("prefetch", "mma_prefetch", "mma_down_shape", "mma_scale_asm", "dot64")
 
 
 def fp4_moe_cases(gen: torch.Generator) -> None:

@@ -672,10 +672,15 @@ def _scaled_pair(bits, scale, DOT_DTYPE: tl.constexpr):
 
 @triton.jit
 def _mma_load_weights(w_ptr, s_ptr, row0, n_rows, k0, stride_w, stride_s,
-                      GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_WARPS: tl.constexpr, TILED: tl.constexpr):
+                      GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_WARPS: tl.constexpr,
+                      TILED: tl.constexpr, SCALE_ASM: tl.constexpr):
     """The packed words and scale words of rows [row0, row0 + BLOCK_N) (zeros at and past n_rows) x the
     BLOCK_K tile at k0 of an FP4 matrix (int32 words, int32 scale words), as each thread holds them:
-    words [4, 8, NUM_WARPS, 2, REP, U], scale words [4, 8, NUM_WARPS, 2, REP, SWQ] (`_mma_decode_weights`)."""
+    words [4, 8, NUM_WARPS, 2, REP, U], scale words [4, 8, NUM_WARPS, 2, REP, SWQ] (`_mma_decode_weights`).
+
+    SCALE_ASM (GPU only): the scale words by inline-asm loads. Triton's coalescer gives a tl.load of
+    them a layout of its own, converted to this one in registers; the asm load is left in this layout
+    (sm_90, 8x32x128 tiles: gate/up 212 -> 166 registers a thread, down 162 -> 124)."""
     U: tl.constexpr = BLOCK_K // 32  # words per quad lane and row
     WPG: tl.constexpr = GROUP // 8  # words per scale group
     REP: tl.constexpr = BLOCK_N // (16 * NUM_WARPS)
@@ -693,7 +698,14 @@ def _mma_load_weights(w_ptr, s_ptr, row0, n_rows, k0, stride_w, stride_s,
     words = tl.load(w_ptr + _at(row, k0 // 8 + q * U + u, stride_w, TILED, 8), mask=row_ok, other=0)
     first = k0 // GROUP + (q * U) // WPG  # a multiple of 4 where SPQ >= 4; else its bytes share one word
     j = tl.arange(0, SWQ)[None, None, None, None, None, :]
-    s_words = tl.load(s_ptr + row * stride_s + first // 4 + j, mask=row_ok, other=0)
+    s_ptrs = s_ptr + row * stride_s + first // 4 + j
+    if SCALE_ASM:
+        s_words = tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; @p ld.global.nc.b32 $0, [$1]; }",
+            "=r,l,r", [s_ptrs, tl.broadcast_to(row_ok, s_ptrs.shape).to(tl.int32)], dtype=tl.int32,
+            is_pure=True, pack=1)
+    else:
+        s_words = tl.load(s_ptrs, mask=row_ok, other=0)
     return words, s_words
 
 
@@ -796,15 +808,16 @@ def _mma_act_operand(raw, zero, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, KP
 @triton.jit
 def _gate_up_mma_loads(x_ptr, token, row_mask, w_base, s_base, u_base, us_base, col0, k0, live,
                        stride_x, stride_wn, stride_sn, I: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, NUM_WARPS: tl.constexpr, PACKED: tl.constexpr, TILED: tl.constexpr):
+                       BLOCK_K: tl.constexpr, NUM_WARPS: tl.constexpr, PACKED: tl.constexpr, TILED: tl.constexpr,
+                       SCALE_ASM: tl.constexpr):
     """One K step's activations, gate words and scale words, up words and scale words (zeros where
     not `live`)."""
     x_raw = _mma_load_act(x_ptr, token, row_mask & live, k0, stride_x, BLOCK_K, PACKED)
     n_rows = tl.where(live, I, 0)
     g_words, g_scales = _mma_load_weights(w_base, s_base, col0, n_rows, k0, stride_wn, stride_sn,
-                                          GROUP, BLOCK_N, BLOCK_K, NUM_WARPS, TILED)
+                                          GROUP, BLOCK_N, BLOCK_K, NUM_WARPS, TILED, SCALE_ASM)
     u_words, u_scales = _mma_load_weights(u_base, us_base, col0, n_rows, k0, stride_wn, stride_sn,
-                                          GROUP, BLOCK_N, BLOCK_K, NUM_WARPS, TILED)
+                                          GROUP, BLOCK_N, BLOCK_K, NUM_WARPS, TILED, SCALE_ASM)
     return x_raw, g_words, g_scales, u_words, u_scales
 
 
@@ -835,6 +848,7 @@ def _gate_up_mma_kernel(
     NUM_WARPS: tl.constexpr, KPACK: tl.constexpr, PREFETCH: tl.constexpr, PACKED: tl.constexpr,
     COMPILED: tl.constexpr,
     TILED: tl.constexpr,
+    SCALE_ASM: tl.constexpr,
 ):
     """x [M, K] (int32 pairs where PACKED), w13 / scales as int32 words -> hidden [M*k, I] (rows in
     sorted-pair order)."""
@@ -856,17 +870,17 @@ def _gate_up_mma_kernel(
     if PREFETCH:  # two K steps a turn, each loaded a step ahead (see the MMA path comment)
         xa, ga, gsa, ua, usa = _gate_up_mma_loads(x_ptr, token, row_mask, w_base, s_base, u_base, us_base, col0, 0,
                                                   True, stride_x, stride_wn, stride_sn, I, GROUP, BLOCK_N,
-                                                  BLOCK_K, NUM_WARPS, PACKED, TILED)
+                                                  BLOCK_K, NUM_WARPS, PACKED, TILED, SCALE_ASM)
         for k0 in range(0, K, 2 * BLOCK_K):
             xb, gb, gsb, ub, usb = _gate_up_mma_loads(x_ptr, token, row_mask, w_base, s_base, u_base, us_base, col0,
                                                       k0 + BLOCK_K, k0 + BLOCK_K < K, stride_x, stride_wn,
-                                                      stride_sn, I, GROUP, BLOCK_N, BLOCK_K, NUM_WARPS, PACKED, TILED)
+                                                      stride_sn, I, GROUP, BLOCK_N, BLOCK_K, NUM_WARPS, PACKED, TILED, SCALE_ASM)
             zero = _cta_zero(COMPILED)
             acc_gate, acc_up = _gate_up_mma_step(acc_gate, acc_up, xa, ga, gsa, ua, usa, k0, zero, IS_MX, GROUP,
                                                  DOT_DTYPE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, KPACK, PACKED)
             xa, ga, gsa, ua, usa = _gate_up_mma_loads(x_ptr, token, row_mask, w_base, s_base, u_base, us_base, col0,
                                                       k0 + 2 * BLOCK_K, k0 + 2 * BLOCK_K < K, stride_x, stride_wn,
-                                                      stride_sn, I, GROUP, BLOCK_N, BLOCK_K, NUM_WARPS, PACKED, TILED)
+                                                      stride_sn, I, GROUP, BLOCK_N, BLOCK_K, NUM_WARPS, PACKED, TILED, SCALE_ASM)
             zero = _cta_zero(COMPILED)
             acc_gate, acc_up = _gate_up_mma_step(acc_gate, acc_up, xb, gb, gsb, ub, usb, k0 + BLOCK_K, zero, IS_MX,
                                                  GROUP, DOT_DTYPE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, KPACK, PACKED)
@@ -874,7 +888,7 @@ def _gate_up_mma_kernel(
         for k0 in range(0, K, BLOCK_K):
             xa, ga, gsa, ua, usa = _gate_up_mma_loads(x_ptr, token, row_mask, w_base, s_base, u_base, us_base, col0,
                                                       k0, True, stride_x, stride_wn, stride_sn, I, GROUP, BLOCK_N,
-                                                      BLOCK_K, NUM_WARPS, PACKED, TILED)
+                                                      BLOCK_K, NUM_WARPS, PACKED, TILED, SCALE_ASM)
             acc_gate, acc_up = _gate_up_mma_step(acc_gate, acc_up, xa, ga, gsa, ua, usa, k0, 0, IS_MX, GROUP,
                                                  DOT_DTYPE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, KPACK, PACKED)
     fix = 2.0**64  # the 2**-64 of the decoded weights
@@ -892,11 +906,11 @@ def _gate_up_mma_kernel(
 @triton.jit
 def _down_mma_loads(h_ptr, rows, row_mask, w_base, s_base, col0, k0, live, stride_h, stride_wn, stride_sn,
                     K: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    NUM_WARPS: tl.constexpr, PACKED: tl.constexpr, TILED: tl.constexpr):
+                    NUM_WARPS: tl.constexpr, PACKED: tl.constexpr, TILED: tl.constexpr, SCALE_ASM: tl.constexpr):
     """One K step's hidden rows, w2 words and scale words (zeros where not `live`)."""
     h_raw = _mma_load_act(h_ptr, rows, row_mask & live, k0, stride_h, BLOCK_K, PACKED)
     words, scales = _mma_load_weights(w_base, s_base, col0, tl.where(live, K, 0), k0, stride_wn, stride_sn,
-                                      GROUP, BLOCK_N, BLOCK_K, NUM_WARPS, TILED)
+                                      GROUP, BLOCK_N, BLOCK_K, NUM_WARPS, TILED, SCALE_ASM)
     return h_raw, words, scales
 
 
@@ -921,6 +935,7 @@ def _down_mma_kernel(
     NUM_WARPS: tl.constexpr, KPACK: tl.constexpr, PREFETCH: tl.constexpr, PACKED: tl.constexpr,
     COMPILED: tl.constexpr,
     TILED: tl.constexpr,
+    SCALE_ASM: tl.constexpr,
 ):
     """hidden [M*k, I] (int32 pairs where PACKED), w2 / scales as int32 words -> weighted pair
     outputs [M*k, K] f32."""
@@ -938,24 +953,24 @@ def _down_mma_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if PREFETCH:  # as in _gate_up_mma_kernel
         ha, wa, sa = _down_mma_loads(hidden_ptr, rows, row_mask, w_base, s_base, col0, 0, True, stride_h, stride_wn,
-                                     stride_sn, K, GROUP, BLOCK_N, BLOCK_K, NUM_WARPS, PACKED, TILED)
+                                     stride_sn, K, GROUP, BLOCK_N, BLOCK_K, NUM_WARPS, PACKED, TILED, SCALE_ASM)
         for k0 in range(0, I, 2 * BLOCK_K):
             hb, wb, sb = _down_mma_loads(hidden_ptr, rows, row_mask, w_base, s_base, col0, k0 + BLOCK_K,
                                          k0 + BLOCK_K < I, stride_h, stride_wn, stride_sn, K, GROUP, BLOCK_N, BLOCK_K,
-                                         NUM_WARPS, PACKED, TILED)
+                                         NUM_WARPS, PACKED, TILED, SCALE_ASM)
             zero = _cta_zero(COMPILED)
             acc = _down_mma_step(acc, ha, wa, sa, k0, zero, IS_MX, GROUP, DOT_DTYPE, BLOCK_M, BLOCK_N, BLOCK_K,
                                  NUM_WARPS, KPACK, PACKED)
             ha, wa, sa = _down_mma_loads(hidden_ptr, rows, row_mask, w_base, s_base, col0, k0 + 2 * BLOCK_K,
                                          k0 + 2 * BLOCK_K < I, stride_h, stride_wn, stride_sn, K, GROUP, BLOCK_N,
-                                         BLOCK_K, NUM_WARPS, PACKED, TILED)
+                                         BLOCK_K, NUM_WARPS, PACKED, TILED, SCALE_ASM)
             zero = _cta_zero(COMPILED)
             acc = _down_mma_step(acc, hb, wb, sb, k0 + BLOCK_K, zero, IS_MX, GROUP, DOT_DTYPE, BLOCK_M, BLOCK_N,
                                  BLOCK_K, NUM_WARPS, KPACK, PACKED)
     else:
         for k0 in range(0, I, BLOCK_K):
             ha, wa, sa = _down_mma_loads(hidden_ptr, rows, row_mask, w_base, s_base, col0, k0, True, stride_h,
-                                         stride_wn, stride_sn, K, GROUP, BLOCK_N, BLOCK_K, NUM_WARPS, PACKED, TILED)
+                                         stride_wn, stride_sn, K, GROUP, BLOCK_N, BLOCK_K, NUM_WARPS, PACKED, TILED, SCALE_ASM)
             acc = _down_mma_step(acc, ha, wa, sa, k0, 0, IS_MX, GROUP, DOT_DTYPE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS,
                                  KPACK, PACKED)
     pair = tl.load(order_ptr + rows, mask=row_mask, other=0)
@@ -984,7 +999,8 @@ class TileConfig:
     columns per loop step (clamped to what divides K and I, see `_fit_block_k`); prefetch (GEMV path, and
     mma path with num_stages=1): load the next K step's weights before decoding the current one (see the
     GEMV path and MMA path comments). down_block_n, down_num_warps (mma path; 0 = as block_n, num_warps):
-    the down kernel's own output columns per program and warps.
+    the down kernel's own output columns per program and warps. scale_asm (mma path, GPU only): the
+    scale words by inline-asm loads (`_mma_load_weights`).
     """
 
     path: str
@@ -996,6 +1012,7 @@ class TileConfig:
     prefetch: bool = False
     down_block_n: int = 0
     down_num_warps: int = 0
+    scale_asm: bool = False
 
     def __post_init__(self):
         if self.path not in ("gemv", "dot", "mma"):
@@ -1017,6 +1034,8 @@ class TileConfig:
             if value and (self.path != "mma" or value < 0 or value & (value - 1)):
                 raise ValueError(f"TileConfig.{name} applies to the mma path and must be 0 or a power of two, "
                                  f"got {value} for path {self.path!r}")
+        if self.scale_asm and self.path != "mma":
+            raise ValueError(f"TileConfig.scale_asm applies to the mma path, got path {self.path!r}")
         down_n, down_warps = self.down_shape()
         if self.path == "mma" and down_n % (16 * down_warps):
             raise ValueError(f"TileConfig: the down kernel's block_n {down_n} must be a multiple of 16 * its "
@@ -1037,7 +1056,10 @@ class TileConfig:
 # turn, each loaded ahead into registers (the MMA path comment): 16 weight rows at 1 pair per expert
 # (M=1: MXFP4 0.072 ms vs 0.087 for the one-row GEMV blocks; M=8 0.240 vs 0.318), 32 above (M=64:
 # MXFP4 0.849 ms, NVFP4 0.880; M=256: 1.25 / 1.30 vs 1.46 / 1.55 for 256-column steps without
-# prefetch). Beyond 16 pairs per expert (prefill) both formats take 64-row dot blocks. Where FP4
+# prefetch). The 32-row class loads its scale words by inline asm (scale_asm): in the B=64 step, timed
+# paired against the tl.load form, -74 us of 4,269 (-1.7%); the 16-row class keeps tl.load (+5 us at
+# B=1, +18 us at B=8; RESULTS.md "Twelfth session"). Beyond 16 pairs per expert (prefill) both formats
+# take 64-row dot blocks. Where FP4
 # tensor cores exist (sm_100+) MXFP4 takes GEMV up to GEMV_MAX_ROWS and the dot path above, which
 # uses tl.dot_scaled there (as do K or I that are not multiples of 32). The mma path's exactness
 # range is in the MMA path comment (ue8m0 scales up to 2**65; the model's experts are checked once,
@@ -1047,7 +1069,7 @@ DENSE_MIN_ROWS = 17
 DEFAULT_CONFIGS = {
     "gemv": TileConfig("gemv", 1, 16, 512, num_warps=4, prefetch=True),
     "mma_one": TileConfig("mma", 8, 16, 128, num_warps=1, num_stages=1, prefetch=True),
-    "mma": TileConfig("mma", 8, 32, 128, num_warps=1, num_stages=1, prefetch=True),
+    "mma": TileConfig("mma", 8, 32, 128, num_warps=1, num_stages=1, prefetch=True, scale_asm=True),
     "dot16": TileConfig("dot", 16, 64, 128, num_warps=4, num_stages=2),
     "dot64": TileConfig("dot", 64, 64, 128, num_warps=4, num_stages=2),
 }
@@ -1157,7 +1179,7 @@ def fp4_moe_pairs_triton(
         gate_up, down = _gate_up_mma_kernel, _down_mma_kernel
         kpack = _mma_kpack(x, config.block_m, config.block_n, config.num_warps)
         common.update(DOT_DTYPE=dot_dtype, NUM_WARPS=config.num_warps, KPACK=kpack, PREFETCH=config.prefetch,
-                      COMPILED=not interpreted)
+                      COMPILED=not interpreted, SCALE_ASM=config.scale_asm and not interpreted)
         w13, w2 = _as_words(w13), _as_words(w2)
         s13, s2 = _scale_words(s13), _scale_words(s2)
         # bf16 activations travel as int32 words of two values (see `_mma_load_act`).

@@ -285,7 +285,8 @@ def test_size_class_rule(tokens, mxfp4, nvfp4, mxfp4_native):
      (dict(path="mma", block_n=64, block_k=16), "block_k"), (dict(down_block_n=32), "down_block_n"),
      (dict(path="mma", num_warps=1, down_block_n=48), "down_block_n"),
      (dict(path="mma", num_warps=1, down_num_warps=3), "down_num_warps"),
-     (dict(path="mma", num_warps=1, down_block_n=16, down_num_warps=2), "down kernel")],
+     (dict(path="mma", num_warps=1, down_block_n=16, down_num_warps=2), "down kernel"),
+     (dict(scale_asm=True), "scale_asm"), (dict(path="dot", block_m=16, scale_asm=True), "scale_asm")],
 )
 def test_tile_config_rejects_bad_values(kwargs, match):
     base = dict(path="gemv", block_m=1, block_n=16, block_k=64)
@@ -360,3 +361,70 @@ def test_mma_path_scale_limit(code, finite):
         assert_close_scaled(got, want, torch.float32)
     else:
         assert not got.isfinite().all()
+
+
+_SCALE_ASM_CROSS_COMPILE = """
+import sys, types, dataclasses, torch, triton.language as tl
+sys.path[:0] = ["bench"]
+from bench_sparse_mla import cross_compile
+from dsv4_compile.kernels import fp4_moe as moe
+print("module", moe.__file__)
+launches = []
+def recorder(kernel):
+    class Record:
+        def __getitem__(self, grid):
+            return lambda *args, **meta: launches.append(types.SimpleNamespace(kernel=kernel, args=args, meta=meta))
+    return Record()
+kernels = {name: getattr(moe, name) for name in ("_gate_up_mma_kernel", "_down_mma_kernel")}
+for name, kernel in kernels.items():
+    setattr(moe, name, recorder(kernel))
+# the launches only, planned on CPU: the grouping kernels (Triton, no driver here) give int32 tables
+moe.expert_blocks = lambda ids, experts, block_m: tuple(torch.zeros(n, dtype=torch.int32) for n in (12, 4, 4, 4))
+for fmt in ("mxfp4", "nvfp4"):
+    group = moe.GROUP[fmt]
+    w13 = torch.zeros(2, 256, 64, dtype=torch.uint8)
+    w2 = torch.zeros(2, 128, 64, dtype=torch.uint8)
+    dtype = torch.uint8 if fmt == "mxfp4" else torch.float8_e4m3fn
+    s13, s2 = torch.zeros(2, 256, 128 // group, dtype=dtype), torch.zeros(2, 128, 128 // group, dtype=dtype)
+    glob = None if fmt == "mxfp4" else torch.ones(2)
+    for asm in (False, True):
+        launches.clear()
+        config = dataclasses.replace(moe.DEFAULT_CONFIGS["mma"], scale_asm=asm)
+        moe.fp4_moe_pairs_triton(torch.zeros(2, 128, dtype=torch.bfloat16), torch.zeros(2, 6, dtype=torch.int32),
+                                 torch.ones(2, 6), w13, s13, w2, s2, fmt, glob, glob, None, config=config)
+        for launch in launches:
+            # as the launcher passes them on a GPU (planned on CPU, it passes the interpreter's)
+            launch.meta.update(DOT_DTYPE=tl.bfloat16, COMPILED=True, SCALE_ASM=asm)
+            for cap in (90, 120):
+                compiled = cross_compile(launch, cap)
+                print(fmt, asm, launch.kernel.fn.__name__, cap, compiled.metadata.shared,
+                      compiled.asm["ptx"].count("ld.global.nc.b32"))
+"""
+
+
+def test_scale_asm_loads_cross_compile_for_sm90_and_sm120():
+    """TileConfig.scale_asm's inline-asm scale loads are PTX the interpreter never runs (the launcher
+    turns them off there): compile both mma kernels with and without them (no GPU needed, in a process
+    without TRITON_INTERPRET) for sm_90 and sm_120. With them the PTX holds the asm loads, without them
+    none; both stay within sm_120's 101,376 B of shared memory. (The H200 checked their outputs bit
+    for bit against the tl.load form: bench/RESULTS.md, twelfth session.)"""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    done = subprocess.run([sys.executable, "-P", "-c", _SCALE_ASM_CROSS_COMPILE], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    first, *rest = done.stdout.splitlines()
+    assert first == f"module {moe.__file__}"
+    rows = [line.split() for line in rest]
+    assert sorted(tuple(r[:4]) for r in rows) == sorted(
+        (fmt, asm, kernel, cap) for fmt in ("mxfp4", "nvfp4") for asm in ("False", "True")
+        for kernel in ("_gate_up_mma_kernel", "_down_mma_kernel") for cap in ("90", "120"))
+    for fmt, asm, kernel, cap, shared, asm_loads in rows:
+        assert int(shared) <= 101_376
+        assert (int(asm_loads) > 0) == (asm == "True"), (fmt, asm, kernel, cap, asm_loads)
