@@ -185,7 +185,8 @@ def make_timer(smoke: bool):
 
 
 def graph_replay(fn):
-    """Capture fn once in a CUDA graph and return the replay callable."""
+    """Capture fn once in a CUDA graph and return the replay callable, which keeps fn (and the tensors
+    it holds, which the graph reads by address) alive."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -194,7 +195,10 @@ def graph_replay(fn):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return graph.replay
+
+    def replay(captured=fn):
+        graph.replay()
+    return replay
 
 
 def run_case(fmt, tokens, cfg, w, w_tiled, bf16_weights, timer, device, gen, compiled_form, results):

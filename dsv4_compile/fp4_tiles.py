@@ -5,7 +5,8 @@ TILE_COLS values, and each tile is stored contiguously: the tiled codes of E exp
 [E, R/TILE_ROWS, C/TILE_COLS, TILE_ROWS, TILE_COLS/2]; byte (r, b) of the row-major form is byte
 (r // TILE_ROWS, b // (TILE_COLS/2), r % TILE_ROWS, b % (TILE_COLS/2)) of the tiled one. The block
 scales stay row-major ([E, R, C/G]): a step reads a few bytes of each row, and the 32-byte sectors
-that brings in serve the next steps from cache.
+that brings in serve the next steps from cache. (Scales tiled like the codes, a step's scales one
+contiguous piece, made the mma kernels 1-7% slower on the H200: bench/RESULTS.md, twelfth session.)
 
 Why: the fp4_moe kernels read a few weight rows x TILE_COLS values per K step. In the row-major
 layout those are 64-byte pieces of rows 2 KB apart; the H200 then streamed the weights at about
