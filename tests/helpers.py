@@ -1,6 +1,10 @@
 """Shared test helpers: prompts, transformers' greedy reference, and a step recorder."""
 import inspect
+import os
+import subprocess
+import sys
 import types
+from pathlib import Path
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -193,3 +197,18 @@ def transformers_fp4_experts(config, scale_fmt: str, seed: int):
         target = getattr(module, proj + "_scale_inv")
         target.data.copy_(scale.view(target.dtype) if scale_fmt == "ue8m0" else fp4.ue8m0_to_float(scale))
     return module
+
+
+def run_compiled_script(script: str, module_file: str, timeout: int = 900) -> list[list[str]]:
+    """Runs `script` in a fresh process without TRITON_INTERPRET (so Triton compiles instead of
+    interpreting; cross-compiling needs no GPU), with this process's modules, from the checkout's
+    root. The script's first line must be `module <file>` of the module it tested, which must be
+    `module_file` (the copy these tests import); returns its other lines, split on whitespace."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # this process's modules, not the cwd's
+    done = subprocess.run([sys.executable, "-P", "-c", script], cwd=Path(__file__).resolve().parents[1], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-2000:]
+    first, *rest = done.stdout.splitlines()
+    assert first == f"module {module_file}"
+    return [line.split() for line in rest]

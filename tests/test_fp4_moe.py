@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from dsv4_compile.kernels import fp4_moe as moe
 from dsv4_compile.kernels.moe_pairs import combine_pairs
 from dsv4_compile.model.hotspots import moe_experts_fp4
-from helpers import make_experts
+from helpers import make_experts, run_compiled_script
 
 
 def make_routing(tokens, top_k, experts, routing, seed):
@@ -408,20 +408,7 @@ def test_scale_asm_loads_cross_compile_for_sm90_and_sm120():
     without TRITON_INTERPRET) for sm_90 and sm_120. With them the PTX holds the asm loads, without them
     none; both stay within sm_120's 101,376 B of shared memory. (The H200 checked their outputs bit
     for bit against the tl.load form: bench/RESULTS.md, twelfth session.)"""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    done = subprocess.run([sys.executable, "-P", "-c", _SCALE_ASM_CROSS_COMPILE], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-2000:]
-    first, *rest = done.stdout.splitlines()
-    assert first == f"module {moe.__file__}"
-    rows = [line.split() for line in rest]
+    rows = run_compiled_script(_SCALE_ASM_CROSS_COMPILE, moe.__file__)
     assert sorted(tuple(r[:4]) for r in rows) == sorted(
         (fmt, asm, kernel, cap) for fmt in ("mxfp4", "nvfp4") for asm in ("False", "True")
         for kernel in ("_gate_up_mma_kernel", "_down_mma_kernel") for cap in ("90", "120"))

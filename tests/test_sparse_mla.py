@@ -25,6 +25,7 @@ from dsv4_compile.kernels.sparse_mla import (
     sparse_mla_triton,
     split_count,
 )
+from helpers import run_compiled_script
 
 TOL = {torch.bfloat16: dict(atol=2e-2, rtol=1e-2), torch.float32: dict(atol=1e-4, rtol=1e-4)}
 FP8_SPLITS = [(64, 16), (64, 32), (64, 64)]  # (nope, rope) -> head_dim 80, 96, 128
@@ -399,20 +400,7 @@ def test_gpu_only_paths_cross_compile_for_sm90_and_sm120():
     """The L2 prefetch hint and the inline-asm index loads are PTX the interpreter never runs:
     compile them (no GPU needed, in a process without TRITON_INTERPRET) for both targets; they must
     emit their instructions and stay within sm_120's 101,376 B of shared memory."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # this process's modules, not the cwd's
-    done = subprocess.run([sys.executable, "-P", "-c", _CROSS_COMPILE], cwd=root, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    first, *rest = done.stdout.splitlines()
-    assert first == f"module {sparse_mla_module.__file__}"
-    lines = [line.split() for line in rest]
+    lines = run_compiled_script(_CROSS_COMPILE, sparse_mla_module.__file__, timeout=600)
     assert sorted((fmt, cap, needle) for fmt, cap, needle, _, _ in lines) == sorted(
         (fmt, cap, needle) for fmt in ("bf16", "fp8") for cap in ("90", "120")
         for needle in ("prefetch.global.L2", "ld.global.nc.b32"))
