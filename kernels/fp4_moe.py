@@ -5,8 +5,9 @@ out[m] = sum_j topk_weights[m, j] * W2[e_j] @ (silu(min(gate, L)) * clamp(up, -L
 
 Launch (capture-safe: static shapes, no host syncs):
 1. The M*k (token, choice) pairs are grouped by expert (`expert_blocks`, two small Triton kernels);
-   each expert's pairs are cut into blocks of BLOCK_M rows. At most cdiv(M*k, BLOCK_M) + min(E, M*k)
-   blocks exist, so the grid is that static bound and surplus blocks exit at once.
+   each expert's pairs are cut into blocks of BLOCK_M rows. At most min(E, M*k) + floor((M*k -
+   min(E, M*k)) / BLOCK_M) blocks exist (`block_bound`), so the grid is that static bound and surplus
+   blocks exit at once.
 2. `_gate_up_kernel`: per (block, I tile): x rows @ dequant(W13 gate/up tile)^T, clamped
    SwiGLU -> hidden [M*k, I] in sorted-pair order.
 3. `_down_kernel`: per (block, K tile): hidden rows @ dequant(W2 tile)^T times the routing
@@ -41,7 +42,7 @@ from dsv4_compile.fp4 import dequantize_mxfp4, dequantize_nvfp4
 from dsv4_compile.fp4_tiles import TILE_COLS, TILE_ROWS, is_tiled, logical_shape, untile_matrix
 
 from ._runtime import triton_runs_on
-from .moe_pairs import combine_pairs_triton, expert_blocks
+from .moe_pairs import block_bound, combine_pairs_triton, expert_blocks
 
 logger = logging.getLogger("dsv4_compile")
 
@@ -1147,7 +1148,7 @@ def fp4_moe_pairs_triton(
     if config is None:
         config = choose_config(pairs, experts, fmt, native_fp4, mma_fits=hidden % 32 == 0 and inter % 32 == 0)
     group = GROUP[fmt]
-    blocks_bound = triton.cdiv(pairs, config.block_m) + min(experts, pairs)  # expert_blocks' grid bound
+    blocks_bound = block_bound(pairs, experts, config.block_m)
     if config.path == "mma" and blocks_bound > MAX_GRID_Y:  # the default configs take mma up to 3E blocks
         raise ValueError(f"fp4_moe: config {config} would put {blocks_bound} expert blocks on the grid's second "
                          f"axis (at most {MAX_GRID_Y}); use a dot or gemv config for M*k = {pairs} pairs")

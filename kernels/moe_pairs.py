@@ -65,6 +65,15 @@ def _place_pairs_kernel(ids_ptr, counts_ptr, rank_ptr, order_ptr, block_expert_p
     tl.store(block_end_ptr + block, tl.where(real, start + count, 0), mask=in_range)
 
 
+def block_bound(pairs: int, experts: int, block_m: int) -> int:
+    """The most blocks of `block_m` rows that `pairs` (token, choice) pairs over `experts` experts can
+    fill: n experts with pairs make sum_e cdiv(c_e, block_m) <= n + floor((pairs - n) / block_m), which
+    grows with n, so n = min(E, pairs) bounds it; reached when all but one of those experts get one pair.
+    The static size of expert_blocks' table and of the expert kernels' grids."""
+    busy = min(experts, pairs)
+    return busy + (pairs - busy) // block_m
+
+
 def expert_blocks(topk_ids: torch.Tensor, experts: int,
                   block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group the (token, choice) pairs by expert into blocks of `block_m` rows, on device, without host
@@ -73,13 +82,13 @@ def expert_blocks(topk_ids: torch.Tensor, experts: int,
     topk_ids [M, k] int32 -> (order [M*k] int32: the pair indices grouped by expert in ascending expert
     order, in no particular order within an expert (see above),
     block_expert / block_start / block_end [NB] int32: each block's expert (E = empty block, its start
-    and end 0) and its row range in `order`), NB = cdiv(M*k, block_m) + min(E, M*k). Ids outside
+    and end 0) and its row range in `order`), NB = block_bound(M*k, E, block_m). Ids outside
     [0, E) are grouped past every expert and never read.
     """
     ids = topk_ids.reshape(-1).contiguous()
     pairs = ids.numel()
     device = ids.device
-    num_blocks = triton.cdiv(pairs, block_m) + min(experts, pairs)
+    num_blocks = block_bound(pairs, experts, block_m)
     order = torch.empty(pairs, dtype=torch.int32, device=device)
     block_expert, block_start, block_end = (torch.empty(num_blocks, dtype=torch.int32, device=device)
                                             for _ in range(3))

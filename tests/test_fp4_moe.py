@@ -298,7 +298,7 @@ def test_mma_config_beyond_the_grid_limit_is_refused():
     """The mma kernels put expert blocks on the grid's second axis (at most 65535): a forced mma
     config with more blocks is refused at call time, naming the config, before anything runs."""
     w = make_experts("mxfp4", 1, 32, 32, seed=0)
-    tokens = moe.MAX_GRID_Y  # block_m 1: 65535 blocks of one pair + min(E, pairs) = 1 more
+    tokens = moe.MAX_GRID_Y + 1  # block_m 1: up to one block a pair, 65536 blocks
     x, ids, weights = torch.randn(tokens, 32), torch.zeros(tokens, 1, dtype=torch.int32), torch.rand(tokens, 1)
     with pytest.raises(ValueError, match="config"):
         moe.fp4_moe_pairs_triton(*_args(x, ids, weights, w, None), config=moe.TileConfig("mma", 1, 16, 32, num_warps=1))

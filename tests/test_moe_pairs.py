@@ -9,7 +9,7 @@ from dsv4_compile.kernels import moe_pairs
 def test_blocks_cover_pairs():
     ids = torch.tensor([[2, 0], [2, -1], [2, 2], [7, 0]], dtype=torch.int32)
     order, expert, start, end = moe_pairs.expert_blocks(ids, experts=3, block_m=2)
-    assert expert.numel() == 4 + 3  # cdiv(8, 2) + min(3, 8)
+    assert expert.numel() == 3 + (8 - 3) // 2  # min(E, pairs) + floor((pairs - min(E, pairs)) / block_m)
     real = expert < 3
     rows = [(int(e), list(range(s, min(s + 2, t)))) for e, s, t in zip(expert[real], start[real], end[real])]
     seen = sorted(int(order[r]) for _, rs in rows for r in rs)
@@ -29,7 +29,8 @@ def _blocks_by_loop(ids: torch.Tensor, experts: int, block_m: int):
         count = len(groups[e])
         blocks += [(e, start + b, start + count) for b in range(0, count, block_m)]
         start += count
-    num_blocks = -(-len(flat) // block_m) + min(experts, len(flat))
+    busy = min(experts, len(flat))
+    num_blocks = busy + (len(flat) - busy) // block_m
     blocks += [(experts, 0, 0)] * (num_blocks - len(blocks))
     return groups, blocks
 
@@ -49,6 +50,29 @@ def test_expert_blocks_match_loop(tokens, top_k, experts, block_m):
         assert sorted(order[row:row + len(group)].tolist()) == group
         row += len(group)
     assert [(int(e), int(s), int(t)) for e, s, t in zip(expert, start, end)] == want_blocks
+
+
+@pytest.mark.parametrize("pairs, experts, block_m", [(6, 256, 8), (384, 256, 8), (1536, 256, 8), (9, 4, 2),
+                                                      (1, 1, 1), (40, 3, 16), (0, 8, 8)])
+def test_block_bound_holds_and_is_reached(pairs, experts, block_m):
+    """block_bound is at least the blocks of any split of the pairs over the experts (random splits,
+    all pairs on one expert, one pair per expert) and is reached by its worst case: every busy expert
+    but one with a single pair, the last with the rest. There expert_blocks fills its whole table."""
+    def blocks(counts):
+        return sum(-(-c // block_m) for c in counts)
+
+    bound = moe_pairs.block_bound(pairs, experts, block_m)
+    gen = torch.Generator().manual_seed(pairs + experts)
+    for _ in range(50):
+        ids = torch.randint(0, experts, (pairs,), generator=gen)
+        assert blocks(torch.bincount(ids, minlength=experts).tolist()) <= bound
+    assert blocks([pairs]) <= bound and blocks([1] * min(pairs, experts)) <= bound
+    busy = min(pairs, experts)
+    worst = [1] * (busy - 1) + [pairs - busy + 1] if busy else []
+    assert blocks(worst) == bound
+    ids = torch.tensor([e for e, c in enumerate(worst) for _ in range(c)], dtype=torch.int32).view(-1, 1)
+    order, expert, start, end = moe_pairs.expert_blocks(ids, experts, block_m)
+    assert expert.numel() == bound and bool((expert < experts).all())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
