@@ -303,9 +303,10 @@ def _dot(block_m, block_n, block_k, warps, stages):
     return moe.TileConfig("dot", block_m, block_n, block_k, num_warps=warps, num_stages=stages)
 
 
-def _mma(block_m, block_n, block_k, warps, stages, prefetch=False, down=(0, 0), asm=False):
+def _mma(block_m, block_n, block_k, warps, stages, prefetch=False, down=(0, 0), asm=False, caps=(0, 0)):
     return moe.TileConfig("mma", block_m, block_n, block_k, num_warps=warps, num_stages=stages, prefetch=prefetch,
-                          down_block_n=down[0], down_num_warps=down[1], scale_asm=asm)
+                          down_block_n=down[0], down_num_warps=down[1], scale_asm=asm, max_regs=caps[0],
+                          down_max_regs=caps[1])
 
 
 # Candidates per M at V4-Flash sizes (E=256, k=6); the table marks the default (`choose_config`). M=1
@@ -317,17 +318,22 @@ def _mma(block_m, block_n, block_k, warps, stages, prefetch=False, down=(0, 0), 
 # format) rows: some 2 minutes on the H200 with compiles. `down` gives the down kernel output columns and
 # warps of its own: in the eleventh session's B=64 step, gate/up on 16 rows and down on 64 rows and 2 warps
 # took 126 us less kernel time a step (its step time did not follow; bench/RESULTS.md). `asm`: the scale
-# words by inline-asm loads (TileConfig.scale_asm; the default at 32 rows).
+# words by inline-asm loads (TileConfig.scale_asm; the default at 32 rows). `caps`: register caps of
+# gate/up and down (TileConfig.max_regs / down_max_regs; 160 / 112 the default at 32 rows). A sweep
+# times each candidate in its own block of replays; the thirteenth session found such blocks favour
+# whichever heavy case runs first by 3-6%, so close calls need the paired timings of RESULTS.md.
 _DECODE = [_gemv(1, 16, 512, 4, True), _mma(8, 32, 128, 1, 1, True), _mma(8, 16, 128, 1, 1, True),
            _mma(8, 16, 128, 1, 1, True, asm=True), _mma(8, 16, 128, 1, 1, True, down=(64, 2))]
 SWEEP_CANDIDATES = {
     1: _DECODE,
     8: _DECODE,
-    64: [_mma(8, 32, 128, 1, 1, True, asm=True), _mma(8, 32, 128, 1, 1, True), _mma(8, 32, 64, 1, 1, True),
+    64: [_mma(8, 32, 128, 1, 1, True, asm=True, caps=(160, 112)), _mma(8, 32, 128, 1, 1, True, asm=True),
+         _mma(8, 32, 128, 1, 1, True), _mma(8, 32, 64, 1, 1, True),
          _mma(8, 16, 128, 1, 1, True),
          _mma(8, 64, 64, 1, 1, True), _mma(8, 64, 128, 2, 1, True), _mma(8, 32, 256, 1, 1),
          _mma(8, 16, 128, 1, 1, True, down=(64, 2)), _mma(8, 32, 128, 1, 1, True, down=(64, 2))],
-    256: [_mma(8, 32, 256, 1, 1), _mma(8, 32, 128, 1, 1, True, asm=True), _mma(8, 32, 128, 1, 1, True),
+    256: [_mma(8, 32, 256, 1, 1), _mma(8, 32, 128, 1, 1, True, asm=True, caps=(160, 112)),
+          _mma(8, 32, 128, 1, 1, True, asm=True), _mma(8, 32, 128, 1, 1, True),
           _mma(8, 32, 64, 1, 1, True),
           _mma(8, 16, 128, 1, 1, True), _mma(8, 32, 128, 1, 1, True, down=(128, 4))],
 }
@@ -385,12 +391,18 @@ def _down_cell(config: dict) -> str:
     return f"{down_n} x {down_warps}"
 
 
+def _caps_cell(config: dict) -> str:
+    """Register caps (gate/up / down, '-' for the compiler's choice) where the config sets one."""
+    caps = (config["max_regs"], config["down_max_regs"])
+    return " / ".join(str(c or "-") for c in caps) if any(caps) else ""
+
+
 def sweep_markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"# fp4_moe tile sweep ({meta['date']}, torch {meta['torch']}, triton {meta['triton']}, {meta['device']})",
              "", f"command: `{meta['command']}`", "",
-             "| fmt | M | path | BM | BN | BK | warps | stages | prefetch | down BN x warps | asm scales | default "
-             "| ok (rel err) | graph ms | HBM frac | shared B |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| fmt | M | path | BM | BN | BK | warps | stages | prefetch | down BN x warps | asm scales "
+             "| register caps | default | ok (rel err) | graph ms | HBM frac | shared B |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         c = r["config"]
         ok = f"{r['correct']} ({r['max_err_rel']:.1e})" if "max_err_rel" in r else f"False ({r.get('error', '')[:60]})"
@@ -399,7 +411,8 @@ def sweep_markdown(rows: list[dict], meta: dict) -> str:
         shared = ",".join(str(v) for v in r.get("shared", [])) or "cached"
         lines.append(f"| {r['fmt']} | {r['M']} | {c['path']} | {c['block_m']} | {c['block_n']} | {c['block_k']} "
                      f"| {c['num_warps']} | {c['num_stages']} | {'yes' if c['prefetch'] else ''} "
-                     f"| {_down_cell(c)} | {'yes' if c['scale_asm'] else ''} | {'*' if r['default'] else ''} | {ok} "
+                     f"| {_down_cell(c)} | {'yes' if c['scale_asm'] else ''} | {_caps_cell(c)} "
+                     f"| {'*' if r['default'] else ''} | {ok} "
                      f"| {ms} | {frac} | {shared} |")
     lines += ["", "HBM frac: touched experts' bytes / 4.8 TB/s over the graph replay time. 'cached': the "
               "kernels were compiled by an earlier row. Shared memory must stay <= 101376 B."]

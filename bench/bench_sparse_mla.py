@@ -219,6 +219,9 @@ def cross_compile(launch, capability: int):
 
     meta = dict(launch.meta)
     options = {"num_warps": meta.pop("num_warps"), "num_stages": meta.pop("num_stages", 1)}
+    if meta.get("maxnreg"):  # a register cap is a compile option, not a constexpr
+        options["maxnreg"] = meta["maxnreg"]
+    meta.pop("maxnreg", None)
     if meta.get("INTERPRETED"):
         meta.update(INTERPRETED=False, KV_DTYPE=tl.bfloat16, DOT_PRECISION="tf32")
     names = list(inspect.signature(launch.kernel.fn).parameters)

@@ -989,6 +989,9 @@ def native_fp4_dot(x: torch.Tensor, fmt: str) -> bool:
     return fmt == "mxfp4" and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 10
 
 
+MIN_REG_CAP, MAX_REG_CAP = 24, 255  # what ptxas accepts as a thread's register cap
+
+
 @dataclasses.dataclass(frozen=True)
 class TileConfig:
     """One launch configuration of the two expert kernels.
@@ -1001,7 +1004,9 @@ class TileConfig:
     mma path with num_stages=1): load the next K step's weights before decoding the current one (see the
     GEMV path and MMA path comments). down_block_n, down_num_warps (mma path; 0 = as block_n, num_warps):
     the down kernel's own output columns per program and warps. scale_asm (mma path, GPU only): the
-    scale words by inline-asm loads (`_mma_load_weights`).
+    scale words by inline-asm loads (`_mma_load_weights`). max_regs, down_max_regs (GPU only; 0 = the
+    compiler's choice): a register cap a thread for the gate/up and the down kernel (Triton's maxnreg),
+    which decides how many one-warp programs an SM holds.
     """
 
     path: str
@@ -1014,6 +1019,8 @@ class TileConfig:
     down_block_n: int = 0
     down_num_warps: int = 0
     scale_asm: bool = False
+    max_regs: int = 0
+    down_max_regs: int = 0
 
     def __post_init__(self):
         if self.path not in ("gemv", "dot", "mma"):
@@ -1035,6 +1042,11 @@ class TileConfig:
             if value and (self.path != "mma" or value < 0 or value & (value - 1)):
                 raise ValueError(f"TileConfig.{name} applies to the mma path and must be 0 or a power of two, "
                                  f"got {value} for path {self.path!r}")
+        for name in ("max_regs", "down_max_regs"):
+            value = getattr(self, name)
+            if value and not MIN_REG_CAP <= value <= MAX_REG_CAP:
+                raise ValueError(f"TileConfig.{name} must be 0 (no cap) or in [{MIN_REG_CAP}, {MAX_REG_CAP}], "
+                                 f"got {value}")
         if self.scale_asm and self.path != "mma":
             raise ValueError(f"TileConfig.scale_asm applies to the mma path, got path {self.path!r}")
         down_n, down_warps = self.down_shape()
@@ -1059,7 +1071,11 @@ class TileConfig:
 # MXFP4 0.849 ms, NVFP4 0.880; M=256: 1.25 / 1.30 vs 1.46 / 1.55 for 256-column steps without
 # prefetch). The 32-row class loads its scale words by inline asm (scale_asm): in the B=64 step, timed
 # paired against the tl.load form, -74 us of 4,269 (-1.7%); the 16-row class keeps tl.load (+5 us at
-# B=1, +18 us at B=8; RESULTS.md "Twelfth session"). Beyond 16 pairs per expert (prefill) both formats
+# B=1, +18 us at B=8; RESULTS.md "Twelfth session"). The 32-row class also caps registers at 160
+# (gate/up; 171 uncapped for MXFP4, 255 for NVFP4 on sm_90) and 112 (down; 128): an SM holds more of
+# the one-warp programs. Timed paired in the B=64 step: -68 to -74 us of ~4,300 at T=1, -178 us of
+# 7,699 at T=4; 144 (spills) cost +845 us, 176 +62, down at 96 +72 (RESULTS.md "Thirteenth session").
+# Beyond 16 pairs per expert (prefill) both formats
 # take 64-row dot blocks. Where FP4
 # tensor cores exist (sm_100+) MXFP4 takes GEMV up to GEMV_MAX_ROWS and the dot path above, which
 # uses tl.dot_scaled there (as do K or I that are not multiples of 32). The mma path's exactness
@@ -1070,7 +1086,8 @@ DENSE_MIN_ROWS = 17
 DEFAULT_CONFIGS = {
     "gemv": TileConfig("gemv", 1, 16, 512, num_warps=4, prefetch=True),
     "mma_one": TileConfig("mma", 8, 16, 128, num_warps=1, num_stages=1, prefetch=True),
-    "mma": TileConfig("mma", 8, 32, 128, num_warps=1, num_stages=1, prefetch=True, scale_asm=True),
+    "mma": TileConfig("mma", 8, 32, 128, num_warps=1, num_stages=1, prefetch=True, scale_asm=True,
+                      max_regs=160, down_max_regs=112),
     "dot16": TileConfig("dot", 16, 64, 128, num_warps=4, num_stages=2),
     "dot64": TileConfig("dot", 64, 64, 128, num_warps=4, num_stages=2),
 }
@@ -1118,6 +1135,14 @@ MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis
 def _row_step(t: torch.Tensor) -> int:
     """Packed codes' row argument of the kernels: their row stride, or, tiled (5-D), their units per row."""
     return t.stride(1) if t.ndim == 3 else t.shape[2] * t.shape[4]
+
+
+def register_caps(config: TileConfig, interpreted: bool) -> tuple[dict, dict]:
+    """The gate/up and down kernels' launch options for config's register caps (Triton's maxnreg);
+    none under the interpreter, which has no registers."""
+    if interpreted:
+        return {}, {}
+    return {"maxnreg": config.max_regs or None}, {"maxnreg": config.down_max_regs or None}
 
 
 def _fit_block_k(block_k: int, hidden: int, inter: int, group: int) -> int:
@@ -1197,6 +1222,9 @@ def fp4_moe_pairs_triton(
     if config.path != "mma":
         x_in, h_in, gate_up_extra, down_extra = x, hidden_rows, {}, {}
     gate_up_args, down_args = {**common, **gate_up_extra}, {**common, **down_extra}
+    gate_up_caps, down_caps = register_caps(config, interpreted)
+    gate_up_args.update(gate_up_caps)
+    down_args.update(down_caps)
     num_blocks = block_expert.numel()
     # The mma kernels take the column tile as program_id(0): launch order then runs an expert's
     # tiles together and the empty blocks (at the table's end) last, where their programs only fill

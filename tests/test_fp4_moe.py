@@ -286,7 +286,8 @@ def test_size_class_rule(tokens, mxfp4, nvfp4, mxfp4_native):
      (dict(path="mma", num_warps=1, down_block_n=48), "down_block_n"),
      (dict(path="mma", num_warps=1, down_num_warps=3), "down_num_warps"),
      (dict(path="mma", num_warps=1, down_block_n=16, down_num_warps=2), "down kernel"),
-     (dict(scale_asm=True), "scale_asm"), (dict(path="dot", block_m=16, scale_asm=True), "scale_asm")],
+     (dict(scale_asm=True), "scale_asm"), (dict(path="dot", block_m=16, scale_asm=True), "scale_asm"),
+     (dict(max_regs=16), "max_regs"), (dict(max_regs=256), "max_regs"), (dict(down_max_regs=-1), "down_max_regs")],
 )
 def test_tile_config_rejects_bad_values(kwargs, match):
     base = dict(path="gemv", block_m=1, block_n=16, block_k=64)
@@ -363,7 +364,7 @@ def test_mma_path_scale_limit(code, finite):
         assert not got.isfinite().all()
 
 
-_SCALE_ASM_CROSS_COMPILE = """
+_MMA_CROSS_COMPILE = """
 import sys, types, dataclasses, torch, triton.language as tl
 sys.path[:0] = ["bench"]
 from bench_sparse_mla import cross_compile
@@ -392,26 +393,48 @@ for fmt in ("mxfp4", "nvfp4"):
         config = dataclasses.replace(moe.DEFAULT_CONFIGS["mma"], scale_asm=asm)
         moe.fp4_moe_pairs_triton(torch.zeros(2, 128, dtype=torch.bfloat16), torch.zeros(2, 6, dtype=torch.int32),
                                  torch.ones(2, 6), w13, s13, w2, s2, fmt, glob, glob, None, config=config)
+        gate_up_caps, down_caps = moe.register_caps(config, interpreted=False)
         for launch in launches:
             # as the launcher passes them on a GPU (planned on CPU, it passes the interpreter's)
             launch.meta.update(DOT_DTYPE=tl.bfloat16, COMPILED=True, SCALE_ASM=asm)
+            launch.meta.update(gate_up_caps if launch.kernel.fn.__name__ == "_gate_up_mma_kernel" else down_caps)
             for cap in (90, 120):
                 compiled = cross_compile(launch, cap)
+                ptx = compiled.asm["ptx"]
+                maxnreg = ptx.split(".maxnreg", 1)[1].split()[0] if ".maxnreg" in ptx else "none"
                 print(fmt, asm, launch.kernel.fn.__name__, cap, compiled.metadata.shared,
-                      compiled.asm["ptx"].count("ld.global.nc.b32"))
+                      ptx.count("ld.global.nc.b32"), maxnreg)
 """
 
 
-def test_scale_asm_loads_cross_compile_for_sm90_and_sm120():
-    """TileConfig.scale_asm's inline-asm scale loads are PTX the interpreter never runs (the launcher
-    turns them off there): compile both mma kernels with and without them (no GPU needed, in a process
-    without TRITON_INTERPRET) for sm_90 and sm_120. With them the PTX holds the asm loads, without them
-    none; both stay within sm_120's 101,376 B of shared memory. (The H200 checked their outputs bit
-    for bit against the tl.load form: bench/RESULTS.md, twelfth session.)"""
-    rows = run_compiled_script(_SCALE_ASM_CROSS_COMPILE, moe.__file__)
+def test_mma_defaults_cross_compile_for_sm90_and_sm120():
+    """What the interpreter never runs (the launcher turns both off there): TileConfig.scale_asm's
+    inline-asm scale loads and the 32-row class's register caps. Compile both mma kernels of that class
+    with and without the asm loads (no GPU needed, in a process without TRITON_INTERPRET) for sm_90 and
+    sm_120, with the launch options the launcher gives a GPU. With the asm loads the PTX holds them,
+    without them none; the PTX caps each kernel's registers at its config's cap (.maxnreg); all stay
+    within sm_120's 101,376 B of shared memory. (The H200 checked the outputs of both forms bit for bit
+    against the plain ones: bench/RESULTS.md, twelfth and thirteenth sessions.)"""
+    rows = run_compiled_script(_MMA_CROSS_COMPILE, moe.__file__)
     assert sorted(tuple(r[:4]) for r in rows) == sorted(
         (fmt, asm, kernel, cap) for fmt in ("mxfp4", "nvfp4") for asm in ("False", "True")
         for kernel in ("_gate_up_mma_kernel", "_down_mma_kernel") for cap in ("90", "120"))
-    for fmt, asm, kernel, cap, shared, asm_loads in rows:
+    config = moe.DEFAULT_CONFIGS["mma"]
+    want_caps = {"_gate_up_mma_kernel": config.max_regs, "_down_mma_kernel": config.down_max_regs}
+    assert all(want_caps.values())
+    for fmt, asm, kernel, cap, shared, asm_loads, maxnreg in rows:
         assert int(shared) <= 101_376
         assert (int(asm_loads) > 0) == (asm == "True"), (fmt, asm, kernel, cap, asm_loads)
+        assert maxnreg == str(want_caps[kernel]), (fmt, asm, kernel, cap, maxnreg)
+
+
+@pytest.mark.parametrize("config, interpreted, want", [
+    (moe.TileConfig("mma", 8, 32, 128, num_warps=1, max_regs=160, down_max_regs=112), False,
+     ({"maxnreg": 160}, {"maxnreg": 112})),
+    (moe.TileConfig("mma", 8, 32, 128, num_warps=1, max_regs=160), False, ({"maxnreg": 160}, {"maxnreg": None})),
+    (moe.TileConfig("mma", 8, 32, 128, num_warps=1, max_regs=160, down_max_regs=112), True, ({}, {})),
+])
+def test_register_caps_become_launch_options(config, interpreted, want):
+    """A config's register caps are the kernels' maxnreg launch options on a GPU; 0 leaves the compiler
+    its choice (None), and the interpreter gets none."""
+    assert moe.register_caps(config, interpreted) == want
