@@ -147,6 +147,17 @@ def fp4_moe_cases(gen: torch.Generator) -> None:
                 outs[name] = combine_pairs(pairs, ids, 256, x.dtype)
             tiled_args = bench_fp4_moe.op_args(x, ids, topk_weights, tiled)
             outs["tiled default"] = fp4_moe.fp4_moe(*tiled_args)
+            if tokens == 256:
+                # The routing that fills expert_blocks' whole table (moe_pairs.block_bound): 255 experts
+                # with one pair each, expert 255 with the rest.
+                full = torch.cat([torch.arange(255, device=DEVICE), torch.full((tokens * 6 - 255,), 255, device=DEVICE)])
+                full_args = bench_fp4_moe.op_args(x, full.view(tokens, 6).int(), topk_weights, tiled)
+                full_ref = fp4_moe.fp4_moe_reference(*full_args)
+                full_err = (fp4_moe.fp4_moe(*full_args).float() - full_ref.float()).abs().max().item()
+                full_scale = full_ref.float().abs().max().item()
+                assert full_err <= 2 ** -7 * max(full_scale, 1.0), f"fp4_moe {fmt} full block table err {full_err}"
+                print(f"fp4_moe {fmt} M={tokens} tiled default, full block table: ok (max abs err {full_err:.2e})",
+                      flush=True)
             for name in TILED_FORCED:
                 config = FORCED_CONFIGS.get(name) or fp4_moe.DEFAULT_CONFIGS[name]
                 pairs = fp4_moe.fp4_moe_pairs_triton(*tiled_args, config=config)
