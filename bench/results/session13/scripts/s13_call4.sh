@@ -1,0 +1,3 @@
+export PYTHONUNBUFFERED=1; rm -rf /tmp/pp && mkdir -p /tmp/pp && cp -r dsv4_compile /tmp/pp/ && cp -r passes kernels lowerings /tmp/pp/dsv4_compile/ && export PYTHONPATH=/tmp/pp:$PWD
+PAIRED_ROUNDS=400 python tmp_gpu/s13_paired.py 64 base,oldbound,base2 1 2>&1 | tee $OUT/call4_paired_bound_b64.txt
+PAIRED_ROUNDS=200 python tmp_gpu/s13_paired.py 64 base,oldbound,base2 4 2>&1 | tee $OUT/call4_paired_bound_b64_t4.txt
