@@ -2,6 +2,7 @@
 max context 1M, with variants (argv[2]) compiled one after another on the same model and caches:
   base, base2 : optimize() as committed (base2: the noise control, a second compile);
   oldbound : the expert-block table at its old size, cdiv(M*k, block_m) + min(E, M*k) (session 13);
+  tiles, tilesnc : gate/up on 16 weight rows, down on 64 rows and 2 warps (session 11), with / without the caps;
   g160, g192, d112, g160d112, g128d112, g144d112, g176d112, g160d96 : the mma size class with register caps on gate/up (gN) and down (dN)
           (TileConfig.max_regs / down_max_regs).
 Prints each compile's pass records, each variant's logits vs the first, do_bench and back-to-back
@@ -38,7 +39,7 @@ for name in variants:
     # "oldbound": expert_blocks' table at the twelfth session's size, cdiv(M*k, bm) + min(E, M*k)
     bound = old_bound if name.startswith("oldbound") else new_bound
     moe_pairs.block_bound = bound; moe.block_bound = bound
-    shapes = {"g160d112": dict(max_regs=160, down_max_regs=112), "g160": dict(max_regs=160), "g192": dict(max_regs=192), "d112": dict(down_max_regs=112), "g128d112": dict(max_regs=128, down_max_regs=112), "g144d112": dict(max_regs=144, down_max_regs=112), "g176d112": dict(max_regs=176, down_max_regs=112), "g160d96": dict(max_regs=160, down_max_regs=96)}
+    shapes = {"g160d112": dict(max_regs=160, down_max_regs=112), "g160": dict(max_regs=160), "g192": dict(max_regs=192), "d112": dict(down_max_regs=112), "g128d112": dict(max_regs=128, down_max_regs=112), "g144d112": dict(max_regs=144, down_max_regs=112), "g176d112": dict(max_regs=176, down_max_regs=112), "g160d96": dict(max_regs=160, down_max_regs=96), "tiles": dict(block_n=16, down_block_n=64, down_num_warps=2), "tilesnc": dict(block_n=16, down_block_n=64, down_num_warps=2, max_regs=0, down_max_regs=0)}
     for key, change in shapes.items():
         if name.split("_")[0] == key:  # the mma size class only
             moe.DEFAULT_CONFIGS["mma"] = dataclasses.replace(defaults["mma"], **change)
