@@ -44,18 +44,23 @@ def source_hash() -> str:
     return digest.hexdigest()[:12]
 
 
-def new_results(suite, command: str, device: torch.device) -> dict:
-    """The results skeleton: meta (command, date, commit, versions, device), tolerance, and empty
-    setup / compile / cases / notes."""
+def run_meta(command: str, device: torch.device) -> dict:
+    """What identifies a run: command, date, commit, sources hash, versions, device."""
     import transformers
     import triton
 
+    return {"command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "git_commit": _git_commit(),
+            "source_hash": source_hash(), "torch": torch.__version__, "triton": triton.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version(),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+
+
+def new_results(suite, command: str, device: torch.device) -> dict:
+    """The results skeleton: meta (suite, command, date, commit, versions, device), tolerance, and
+    empty setup / compile / cases / notes."""
     return {
         "meta": {
-            "suite": suite.name, "command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "git_commit": _git_commit(), "source_hash": source_hash(), "torch": torch.__version__, "triton": triton.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version(),
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "suite": suite.name, **run_meta(command, device),
             "contexts": list(suite.contexts), "groups": [[g.batch, g.tokens, list(g.variants)] for g in suite.groups],
         },
         "tolerance": {

@@ -1,0 +1,82 @@
+"""bench/paired_step.py: variant parsing, the paired statistics, and a smoke run on CPU (tiny model)."""
+import dataclasses
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from dsv4_compile.kernels import fp4_moe
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _paired_step():
+    """bench.paired_step (bench/__init__.py drops the root from sys.path again)."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        return importlib.import_module("bench.paired_step")
+    finally:
+        if str(ROOT) in sys.path:
+            sys.path.remove(str(ROOT))
+
+
+def test_parse_variant_replaces_fields_of_one_size_class():
+    parse = _paired_step().parse_variant
+    defaults = dict(fp4_moe.DEFAULT_CONFIGS)
+    assert parse("base", defaults) == ("base", {})
+    label, configs = parse("nocaps: mma.max_regs=0; mma.down_max_regs=0;mma_one.block_n=32", defaults)
+    assert label == "nocaps" and set(configs) == {"mma", "mma_one"}
+    assert configs["mma"] == dataclasses.replace(defaults["mma"], max_regs=0, down_max_regs=0)
+    assert configs["mma_one"] == dataclasses.replace(defaults["mma_one"], block_n=32)
+    assert fp4_moe.DEFAULT_CONFIGS == defaults  # parsing changes nothing
+
+
+@pytest.mark.parametrize("spec, match", [
+    (":mma.max_regs=0", "label"), ("x:mma.max_regs", "class.field=value"), ("x:max_regs=0", "class.field=value"),
+    ("x:huge.max_regs=0", "unknown size class"), ("x:mma.regs=0", "no field"), ("x:mma.max_regs=oops", "literal"),
+    ("x:mma.max_regs=999", "max_regs"), ("x:mma.block_n=48", "block_n"),
+])
+def test_parse_variant_rejects_bad_specs_naming_them(spec, match):
+    with pytest.raises(ValueError, match=match) as err:
+        _paired_step().parse_variant(spec, dict(fp4_moe.DEFAULT_CONFIGS))
+    assert repr(spec) in str(err.value)
+
+
+def test_paired_summary_takes_medians_of_differences():
+    rows = _paired_step().paired_summary({"a": [10.0, 11.0, 30.0, 10.0, 12.0], "b": [8.0, 10.0, 40.0, 7.0, 11.0]})
+    assert [r["variant"] for r in rows] == ["a", "b"]
+    assert rows[0]["diff_median_us"] == 0.0 and rows[0]["median_us"] == 11.0
+    # differences -2, -1, +10, -3, -1: median -1 (their mean, +0.6, would follow the outlier round)
+    assert rows[1]["diff_median_us"] == -1.0 and rows[1]["median_us"] == 10.0
+    assert rows[1]["diff_q1_us"] <= -1.0 <= rows[1]["diff_q3_us"] and rows[1]["rounds"] == 5
+
+
+def test_smoke_run_compiles_each_variant_with_its_configs(tmp_path, monkeypatch):
+    """Three compiles of the tiny model's step (B=2, T=1: the 'mma_one' class): the defaults, a variant
+    that sends that class down the GEMV path, and the control. The variant's configs reach the op (a
+    spy on choose_config sees both paths), the control's logits equal the first's exactly, the GEMV
+    path's agree within f32 rounding of K=64 / I=32 products, DEFAULT_CONFIGS is left as it was, and
+    the reports are written."""
+    module = _paired_step()
+    defaults = dict(fp4_moe.DEFAULT_CONFIGS)
+    seen = []
+    choose = fp4_moe.choose_config
+
+    def spy(*args, **kwargs):
+        config = choose(*args, **kwargs)
+        seen.append(config.path)
+        return config
+    monkeypatch.setattr(fp4_moe, "choose_config", spy)
+    assert module.main(["--smoke", "--out", str(tmp_path),
+                        "--variants", "base,gemv:mma_one.path='gemv'"]) == 0
+    assert fp4_moe.DEFAULT_CONFIGS == defaults
+    assert {"mma", "gemv"} <= set(seen)
+    result = json.loads((tmp_path / "paired.json").read_text())
+    assert [r["variant"] for r in result["rows"]] == ["base", "gemv", "control"]
+    assert all(len(times) == 1 for times in result["times_us"].values())  # smoke: one round
+    diffs = result["logits_max_abs_diff"]
+    assert diffs["base"] == 0.0 and diffs["control"] == 0.0
+    assert 0.0 <= diffs["gemv"] <= 1e-4
+    assert (tmp_path / "paired.md").read_text().startswith("# Paired step timing (smoke)")
