@@ -321,7 +321,7 @@ def _mma(block_m, block_n, block_k, warps, stages, prefetch=False, down=(0, 0), 
 # words by inline-asm loads (TileConfig.scale_asm; the default at 32 rows). `caps`: register caps of
 # gate/up and down (TileConfig.max_regs / down_max_regs; 160 / 112 the default at 32 rows). A sweep
 # times each candidate in its own block of replays; the thirteenth session found such blocks favour
-# whichever heavy case runs first by 3-6%, so close calls need the paired timings of RESULTS.md.
+# whichever heavy case runs first by 3-6%, so close calls need paired timings (bench/paired_step.py).
 _DECODE = [_gemv(1, 16, 512, 4, True), _mma(8, 32, 128, 1, 1, True), _mma(8, 16, 128, 1, 1, True),
            _mma(8, 16, 128, 1, 1, True, asm=True), _mma(8, 16, 128, 1, 1, True, down=(64, 2))]
 SWEEP_CANDIDATES = {
