@@ -1006,7 +1006,7 @@ class TileConfig:
     the down kernel's own output columns per program and warps. scale_asm (mma path, GPU only): the
     scale words by inline-asm loads (`_mma_load_weights`). max_regs, down_max_regs (GPU only; 0 = the
     compiler's choice): a register cap a thread for the gate/up and the down kernel (Triton's maxnreg),
-    which decides how many one-warp programs an SM holds.
+    so that more programs fit on an SM.
     """
 
     path: str
