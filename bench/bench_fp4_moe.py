@@ -5,8 +5,9 @@
     python bench/bench_fp4_moe.py --sweep --out DIR    # H200: time each candidate TileConfig
 
 --sweep checks every candidate tile configuration (SWEEP_CANDIDATES) against the reference and
-times the correct ones from CUDA-graph replays at M in {1, 8, 64, 256}, both formats; it writes
-sweep.json and sweep.md (per-config times, HBM fraction, shared memory) and prints the table.
+times the correct ones paired, their CUDA-graph replays alternating for --rounds rounds, at M in
+{1, 8, 64, 256}, both formats; it writes sweep.json and sweep.md (per-config times, the paired
+differences against the default, HBM fraction, shared memory) and prints the table.
 
 For each format and M in {1, 8, 64} (decode) and 256 (verify, 64 x 4 tokens):
 1. correctness of the Triton op against the eager reference on random weights;
@@ -25,6 +26,7 @@ import dataclasses
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 
@@ -201,6 +203,33 @@ def graph_replay(fn):
     return replay
 
 
+def paired_times(fns: dict, rounds: int) -> dict[str, list[float]]:
+    """ms of each callable in each round; every round runs them all in turn. CUDA: each between two
+    events after an L2 flush (a 256 MB write), no host sync inside the loop, so the variants share any
+    drift of the GPU's speed (blocks of replays, one variant after another, favoured whichever heavy
+    case ran first by 3-6%: RESULTS.md, thirteenth session). CPU: the wall clock of each run."""
+    if not torch.cuda.is_available():
+        times = {label: [] for label in fns}
+        for _ in range(rounds):
+            for label, fn in fns.items():
+                start = time.perf_counter()
+                fn()
+                times[label].append((time.perf_counter() - start) * 1e3)
+        return times
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    events = {label: [] for label in fns}
+    for _ in range(rounds):
+        for label, fn in fns.items():
+            flush.zero_()
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            fn()
+            end.record()
+            events[label].append((begin, end))
+    torch.cuda.synchronize()
+    return {label: [b.elapsed_time(e) for b, e in pairs] for label, pairs in events.items()}
+
+
 def run_case(fmt, tokens, cfg, w, w_tiled, bf16_weights, timer, device, gen, compiled_form, results):
     experts, hidden, inter, top_k = cfg["E"], cfg["K"], cfg["I"], cfg["k"]
     x = torch.randn(tokens, hidden, device=device, generator=gen).to(torch.bfloat16)
@@ -319,9 +348,10 @@ def _mma(block_m, block_n, block_k, warps, stages, prefetch=False, down=(0, 0), 
 # warps of its own: in the eleventh session's B=64 step, gate/up on 16 rows and down on 64 rows and 2 warps
 # took 126 us less kernel time a step (its step time did not follow; bench/RESULTS.md). `asm`: the scale
 # words by inline-asm loads (TileConfig.scale_asm; the default at 32 rows). `caps`: register caps of
-# gate/up and down (TileConfig.max_regs / down_max_regs; 160 / 112 the default at 32 rows). A sweep
-# times each candidate in its own block of replays; the thirteenth session found such blocks favour
-# whichever heavy case runs first by 3-6%, so close calls need paired timings (bench/paired_step.py).
+# gate/up and down (TileConfig.max_regs / down_max_regs; 160 / 112 the default at 32 rows). Sweeps
+# before the thirteenth session timed each candidate in its own block of replays, which favoured
+# whichever heavy case ran first by 3-6%; the sweep now times them paired (`paired_times`), and the
+# step-level check of a close call is bench/paired_step.py.
 _DECODE = [_gemv(1, 16, 512, 4, True), _mma(8, 32, 128, 1, 1, True), _mma(8, 16, 128, 1, 1, True),
            _mma(8, 16, 128, 1, 1, True, asm=True), _mma(8, 16, 128, 1, 1, True, down=(64, 2))]
 SWEEP_CANDIDATES = {
@@ -345,8 +375,11 @@ def _compiled_keys() -> set:
             for key in (cache[0] if isinstance(cache, tuple) else cache)}
 
 
-def sweep_case(fmt, tokens, cfg, w, timer, device, gen, candidates) -> list[dict]:
-    """Check then time every candidate TileConfig at one (format, M); rows for sweep.md."""
+def sweep_case(fmt, tokens, cfg, w, rounds, device, gen, candidates) -> list[dict]:
+    """Check every candidate TileConfig at one (format, M), then time the correct ones paired
+    (`paired_times`, CUDA-graph replays on a GPU): each row's median and the median and quartiles of
+    its differences against the default candidate (the first one where the default is not among
+    them); rows for sweep.md."""
     experts, hidden, top_k = cfg["E"], cfg["K"], cfg["k"]
     x = torch.randn(tokens, hidden, device=device, generator=gen).to(torch.bfloat16)
     scores = torch.rand(tokens, experts, device=device, generator=gen)
@@ -357,8 +390,8 @@ def sweep_case(fmt, tokens, cfg, w, timer, device, gen, candidates) -> list[dict
     scale = max(want.abs().max().item(), 1e-6)
     floor_ms = touched_bytes(ids, w, hidden) / HBM_BYTES_PER_S * 1e3
     default = moe.choose_config(tokens * top_k, experts, fmt, moe.native_fp4_dot(x, fmt))
-    rows = []
-    for config in candidates:
+    rows, fns = [], {}
+    for index, config in enumerate(candidates):
         def run(config=config):
             pairs = moe.fp4_moe_pairs_triton(*args, config=config)
             return combine_pairs_triton(pairs, ids, experts, x.dtype)  # as the op
@@ -374,12 +407,22 @@ def sweep_case(fmt, tokens, cfg, w, timer, device, gen, candidates) -> list[dict
         row["max_err_rel"] = err
         row["correct"] = bool(err < 3e-2)  # as run_case: bf16 x, hidden and output
         if row["correct"]:
-            row["ms"] = timer(graph_replay(run) if device == "cuda" else run)
-            row["hbm_fraction"] = floor_ms / row["ms"]
+            fns[index] = graph_replay(run) if device == "cuda" else run
         new = _compiled_keys() - before
         row["shared"] = [s["shared"] for s in shared_memory_records()
                          if (s["kernel"], s["full_key"]) in new]
-        rows.append(row)
+        rows.append(dict(row, index=index))
+    if fns:
+        times = paired_times(fns, rounds)
+        reference = next((i for i in fns if candidates[i] == default), next(iter(fns)))
+        for row in rows:
+            if row.get("index") in fns:
+                mine = times[row["index"]]
+                diffs = [a - b for a, b in zip(mine, times[reference])]
+                quartiles = statistics.quantiles(diffs, n=4) if len(diffs) > 1 else (diffs[0],) * 3
+                row.update(ms=statistics.median(mine), paired_ms=statistics.median(diffs),
+                           paired_quartiles_ms=(quartiles[0], quartiles[2]), paired_reference=reference == row["index"])
+                row["hbm_fraction"] = floor_ms / row["ms"]
     return rows
 
 
@@ -401,32 +444,39 @@ def sweep_markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"# fp4_moe tile sweep ({meta['date']}, torch {meta['torch']}, triton {meta['triton']}, {meta['device']})",
              "", f"command: `{meta['command']}`", "",
              "| fmt | M | path | BM | BN | BK | warps | stages | prefetch | down BN x warps | asm scales "
-             "| register caps | default | ok (rel err) | graph ms | HBM frac | shared B |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| register caps | default | ok (rel err) | graph ms | paired vs reference ms (quartiles) | HBM frac "
+             "| shared B |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         c = r["config"]
         ok = f"{r['correct']} ({r['max_err_rel']:.1e})" if "max_err_rel" in r else f"False ({r.get('error', '')[:60]})"
         ms = f"{r['ms']:.4f}" if "ms" in r else "-"
+        paired = "-"
+        if "paired_ms" in r:
+            paired = "reference" if r["paired_reference"] else (
+                f"{r['paired_ms']:+.4f} ({r['paired_quartiles_ms'][0]:+.4f} / {r['paired_quartiles_ms'][1]:+.4f})")
         frac = f"{r['hbm_fraction']:.2f}" if "hbm_fraction" in r else "-"
         shared = ",".join(str(v) for v in r.get("shared", [])) or "cached"
         lines.append(f"| {r['fmt']} | {r['M']} | {c['path']} | {c['block_m']} | {c['block_n']} | {c['block_k']} "
                      f"| {c['num_warps']} | {c['num_stages']} | {'yes' if c['prefetch'] else ''} "
                      f"| {_down_cell(c)} | {'yes' if c['scale_asm'] else ''} | {_caps_cell(c)} "
                      f"| {'*' if r['default'] else ''} | {ok} "
-                     f"| {ms} | {frac} | {shared} |")
-    lines += ["", "HBM frac: touched experts' bytes / 4.8 TB/s over the graph replay time. 'cached': the "
-              "kernels were compiled by an earlier row. Shared memory must stay <= 101376 B."]
+                     f"| {ms} | {paired} | {frac} | {shared} |")
+    lines += ["", "graph ms: median of the paired rounds; paired: the median (and quartiles) of the round-by-round "
+              "differences against the reference row (the default where it is a candidate). HBM frac: touched "
+              "experts' bytes / 4.8 TB/s over the graph ms. 'cached': the kernels were compiled by an earlier row. "
+              "Shared memory must stay <= 101376 B."]
     return "\n".join(lines)
 
 
-def run_sweep(cfg, device, timer, formats, out_dir, meta) -> None:
+def run_sweep(cfg, device, rounds, formats, out_dir, meta) -> None:
     gen = torch.Generator(device=device).manual_seed(0)
     rows: list[dict] = []
     for fmt in formats:
         w = random_experts(fmt, cfg["E"], cfg["K"], cfg["I"], device, gen)
         w = tiled_experts(w) or w  # the layout optimize() runs, where the sizes split into tiles
         for tokens in cfg["Ms"]:
-            rows += sweep_case(fmt, tokens, cfg, w, timer, device, gen, cfg["candidates"][tokens])
+            rows += sweep_case(fmt, tokens, cfg, w, rounds, device, gen, cfg["candidates"][tokens])
         del w
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -446,6 +496,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (TRITON_INTERPRET=1)")
     parser.add_argument("--formats", default="mxfp4,nvfp4")
     parser.add_argument("--sweep", action="store_true", help="time each candidate tile config (SWEEP_CANDIDATES)")
+    parser.add_argument("--rounds", type=int, default=None, help="--sweep's paired rounds (default 100, smoke 1)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
@@ -471,7 +522,7 @@ def main() -> None:
         meta = dict(date=time.strftime("%Y-%m-%d %H:%M"), torch=torch.__version__, triton=triton.__version__,
                     device=torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)",
                     command=" ".join(sys.argv))
-        run_sweep(cfg, device, timer, args.formats.split(","), args.out, meta)
+        run_sweep(cfg, device, args.rounds or (1 if args.smoke else 100), args.formats.split(","), args.out, meta)
         return
     gen = torch.Generator(device=device).manual_seed(0)
     compiled_form = torch.compile(moe_experts_fp4)
