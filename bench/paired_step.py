@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import dsv4_compile
     from bench import report
+    from bench.bench_fp4_moe import paired_times
     from bench.slice_model import build_slice, fill_caches_, smoke_model
     from dsv4_compile.compiled_step import compile_step
     from dsv4_compile.kernels import fp4_moe
@@ -170,25 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     first = logits[labels[0]]
     logits_diff = {label: (value - first).abs().max().item() for label, value in logits.items()}
 
-    times: dict[str, list[float]] = {label: [] for label in steps}
-    if device.type == "cuda":
-        events = {label: [] for label in steps}
-        torch.cuda.synchronize()
-        for _ in range(args.rounds):
-            for label, step in steps.items():
-                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                begin.record()
-                step()
-                end.record()
-                events[label].append((begin, end))
-        torch.cuda.synchronize()
-        times = {label: [b.elapsed_time(e) * 1e3 for b, e in pairs] for label, pairs in events.items()}
-    else:
-        for _ in range(args.rounds):
-            for label, step in steps.items():
-                began = time.perf_counter()
-                step()
-                times[label].append((time.perf_counter() - began) * 1e6)
+    # No L2 flush between steps: a serving engine runs them back to back.
+    times = {label: [ms * 1e3 for ms in run] for label, run in paired_times(steps, args.rounds, flush_l2=False).items()}
 
     command = "python -m bench.paired_step " + " ".join(sys.argv[1:] if argv is None else argv)
     meta = dict(report.run_meta(command, device), mode="smoke" if args.smoke else "gpu", batch=args.batch, tokens=args.tokens, context=args.context,

@@ -1,4 +1,5 @@
 """Shared test helpers: prompts, transformers' greedy reference, and a step recorder."""
+import importlib
 import inspect
 import os
 import subprocess
@@ -212,3 +213,14 @@ def run_compiled_script(script: str, module_file: str, timeout: int = 900) -> li
     first, *rest = done.stdout.splitlines()
     assert first == f"module {module_file}"
     return [line.split() for line in rest]
+
+
+def bench_module(module: str):
+    """bench.<module> from the checkout (bench/__init__.py drops the root from sys.path again)."""
+    root = str(Path(__file__).resolve().parents[1])
+    sys.path.insert(0, root)
+    try:
+        return importlib.import_module(f"bench.{module}")
+    finally:
+        if root in sys.path:
+            sys.path.remove(root)

@@ -1,27 +1,14 @@
 """bench/bench_fp4_moe.py --sweep on CPU (interpreter, tiny experts): every candidate is checked against
 the reference, the correct ones are timed paired against the default, and the table has their rows."""
 import dataclasses
-import importlib
-import sys
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _bench_fp4_moe():
-    """bench.bench_fp4_moe (bench/__init__.py drops the root from sys.path again)."""
-    sys.path.insert(0, str(ROOT))
-    try:
-        return importlib.import_module("bench.bench_fp4_moe")
-    finally:
-        if str(ROOT) in sys.path:
-            sys.path.remove(str(ROOT))
+from helpers import bench_module
 
 
 def test_sweep_case_times_correct_candidates_paired_against_the_default():
-    bench = _bench_fp4_moe()
+    bench = bench_module("bench_fp4_moe")
     moe = bench.moe
     cfg = dict(E=8, K=64, I=32, k=2)
     tokens = 4

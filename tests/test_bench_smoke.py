@@ -5,24 +5,18 @@ B=1 and B=2, contexts 8 and 40. It checks what the harness itself decides: every
 ran, the three variants agree and every logit is finite, B=1 equals row 0 of B=2, and the
 reports are written. Timings on CPU are not measurements and are not asserted.
 """
-import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
+
+from helpers import bench_module
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _from_bench(module: str, name: str):
-    """`name` from bench/<module>.py (bench/__init__.py drops the root from sys.path again)."""
-    sys.path.insert(0, str(ROOT))
-    try:
-        return getattr(importlib.import_module(f"bench.{module}"), name)
-    finally:
-        if str(ROOT) in sys.path:
-            sys.path.remove(str(ROOT))
+    return getattr(bench_module(module), name)
 
 
 def test_smoke_mode_runs_every_case_and_the_variants_agree(tmp_path):

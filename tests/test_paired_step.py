@@ -1,29 +1,15 @@
 """bench/paired_step.py: variant parsing, the paired statistics, and a smoke run on CPU (tiny model)."""
 import dataclasses
-import importlib
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 from dsv4_compile.kernels import fp4_moe
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _paired_step():
-    """bench.paired_step (bench/__init__.py drops the root from sys.path again)."""
-    sys.path.insert(0, str(ROOT))
-    try:
-        return importlib.import_module("bench.paired_step")
-    finally:
-        if str(ROOT) in sys.path:
-            sys.path.remove(str(ROOT))
+from helpers import bench_module
 
 
 def test_parse_variant_replaces_fields_of_one_size_class():
-    parse = _paired_step().parse_variant
+    parse = bench_module("paired_step").parse_variant
     defaults = dict(fp4_moe.DEFAULT_CONFIGS)
     assert parse("base", defaults) == ("base", {})
     label, configs = parse("nocaps: mma.max_regs=0; mma.down_max_regs=0;mma_one.block_n=32", defaults)
@@ -40,12 +26,12 @@ def test_parse_variant_replaces_fields_of_one_size_class():
 ])
 def test_parse_variant_rejects_bad_specs_naming_them(spec, match):
     with pytest.raises(ValueError, match=match) as err:
-        _paired_step().parse_variant(spec, dict(fp4_moe.DEFAULT_CONFIGS))
+        bench_module("paired_step").parse_variant(spec, dict(fp4_moe.DEFAULT_CONFIGS))
     assert repr(spec) in str(err.value)
 
 
 def test_paired_summary_takes_medians_of_differences():
-    rows = _paired_step().paired_summary({"a": [10.0, 11.0, 30.0, 10.0, 12.0], "b": [8.0, 10.0, 40.0, 7.0, 11.0]})
+    rows = bench_module("paired_step").paired_summary({"a": [10.0, 11.0, 30.0, 10.0, 12.0], "b": [8.0, 10.0, 40.0, 7.0, 11.0]})
     assert [r["variant"] for r in rows] == ["a", "b"]
     assert rows[0]["diff_median_us"] == 0.0 and rows[0]["median_us"] == 11.0
     # differences -2, -1, +10, -3, -1: median -1 (their mean, +0.6, would follow the outlier round)
@@ -59,7 +45,7 @@ def test_smoke_run_compiles_each_variant_with_its_configs(tmp_path, monkeypatch)
     spy on choose_config sees both paths), the control's logits equal the first's exactly, the GEMV
     path's agree within f32 rounding of K=64 / I=32 products, DEFAULT_CONFIGS is left as it was, and
     the reports are written."""
-    module = _paired_step()
+    module = bench_module("paired_step")
     defaults = dict(fp4_moe.DEFAULT_CONFIGS)
     seen = []
     choose = fp4_moe.choose_config
