@@ -1067,14 +1067,19 @@ class TileConfig:
 # experts, bench/RESULTS.md "Sixth session"). Up to 16 pairs per expert both formats take the mma path
 # with 8-pair blocks, one warp a program, no shared-memory pipeline and two K steps of 128 columns a
 # turn, each loaded ahead into registers (the MMA path comment): 16 weight rows at 1 pair per expert
-# (M=1: MXFP4 0.072 ms vs 0.087 for the one-row GEMV blocks; M=8 0.240 vs 0.318), 32 above (M=64:
-# MXFP4 0.849 ms, NVFP4 0.880; M=256: 1.25 / 1.30 vs 1.46 / 1.55 for 256-column steps without
+# (M=1: MXFP4 0.072 ms vs 0.087 for the one-row GEMV blocks; M=8 0.240 vs 0.318), 32 above (then
+# M=64: MXFP4 0.849 ms, NVFP4 0.880; M=256: 1.25 / 1.30 vs 1.46 / 1.55 for 256-column steps without
 # prefetch). The 32-row class loads its scale words by inline asm (scale_asm): in the B=64 step, timed
 # paired against the tl.load form, -74 us of 4,269 (-1.7%); the 16-row class keeps tl.load (+5 us at
 # B=1, +18 us at B=8; RESULTS.md "Twelfth session"). The 32-row class also caps registers at 160
 # (gate/up; 171 uncapped for MXFP4, 255 for NVFP4 on sm_90) and 112 (down; 128): an SM holds more of
 # the one-warp programs. Timed paired in the B=64 step: -68 to -74 us of ~4,300 at T=1, -178 us of
 # 7,699 at T=4; 144 (spills) cost +845 us, 176 +62, down at 96 +72 (RESULTS.md "Thirteenth session").
+# At 2 pairs per expert (M = 43..85 at k=6: the B=64 decode step) gate/up takes 16 weight rows and
+# down 64 rows on 2 warps, without asm scales or caps: timed paired against the 32-row class at M=48,
+# 64, 80, MXFP4 -1.7 / -1.3 / -0.4%, NVFP4 -2.8 / -3.3 / -2.3%, and in the B=64 T=1 step -41 us of
+# 4,280 (RESULTS.md "Fourteenth session"). At 6 pairs (T=4) 16-row gate/up did not win (step +30 and
+# +43 us with asm scales, within its noise; kernels at M=256 +3 to +6%).
 # Beyond 16 pairs per expert (prefill) both formats
 # take 64-row dot blocks. Where FP4
 # tensor cores exist (sm_100+) MXFP4 takes GEMV up to GEMV_MAX_ROWS and the dot path above, which
@@ -1086,6 +1091,8 @@ DENSE_MIN_ROWS = 17
 DEFAULT_CONFIGS = {
     "gemv": TileConfig("gemv", 1, 16, 512, num_warps=4, prefetch=True),
     "mma_one": TileConfig("mma", 8, 16, 128, num_warps=1, num_stages=1, prefetch=True),
+    "mma_two": TileConfig("mma", 8, 16, 128, num_warps=1, num_stages=1, prefetch=True, down_block_n=64,
+                          down_num_warps=2),
     "mma": TileConfig("mma", 8, 32, 128, num_warps=1, num_stages=1, prefetch=True, scale_asm=True,
                       max_regs=160, down_max_regs=112),
     "dot16": TileConfig("dot", 16, 64, 128, num_warps=4, num_stages=2),
@@ -1102,7 +1109,7 @@ def size_class(pairs: int, experts: int, fmt: str, native_fp4: bool = False, mma
         return "dot64"
     if (fmt == "mxfp4" and native_fp4) or not mma_fits:
         return "gemv" if average <= GEMV_MAX_ROWS else "dot16"
-    return "mma_one" if average == 1 else "mma"
+    return {1: "mma_one", 2: "mma_two"}.get(average, "mma")
 
 
 def choose_config(pairs: int, experts: int, fmt: str, native_fp4: bool = False,

@@ -221,7 +221,7 @@ def test_each_path_matches_reference(path_config, fmt):
     check_pairs_against_reference(x, ids, weights, w, 0.5, path_config, torch.float32)
 
 
-@pytest.mark.parametrize("name", ["mma_one", "mma"])
+@pytest.mark.parametrize("name", ["mma_one", "mma_two", "mma"])
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 def test_mma_several_scale_groups_per_lane(fmt, name):
     """The default mma tiles at K = I = their BLOCK_K (128): each quad lane's 4 words span a whole
@@ -258,13 +258,14 @@ def test_all_tokens_on_one_expert(config):
 @pytest.mark.parametrize(
     "tokens, mxfp4, nvfp4, mxfp4_native",
     [(1, "mma_one", "mma_one", "gemv"), (8, "mma_one", "mma_one", "gemv"), (42, "mma_one", "mma_one", "gemv"),
-     (43, "mma", "mma", "gemv"), (64, "mma", "mma", "gemv"), (85, "mma", "mma", "gemv"),
+     (43, "mma_two", "mma_two", "gemv"), (64, "mma_two", "mma_two", "gemv"), (85, "mma_two", "mma_two", "gemv"),
      (86, "mma", "mma", "dot16"), (256, "mma", "mma", "dot16"), (682, "mma", "mma", "dot16"),
      (683, "dot64", "dot64", "dot64"), (4096, "dot64", "dot64", "dot64")],
 )
 def test_size_class_rule(tokens, mxfp4, nvfp4, mxfp4_native):
     """V4-Flash (E=256, k=6): decode and verify take the mma path (16 weight rows a program at one
-    pair per expert, M <= 42; 32 up to 16 pairs per expert), except MXFP4 on GPUs with FP4 tensor
+    pair per expert, M <= 42; 16 for gate/up and 64 for down at two, M <= 85; 32 up to 16 pairs per
+    expert), except MXFP4 on GPUs with FP4 tensor
     cores (GEMV up to 2 pairs, then tl.dot_scaled); prefill takes 64-row dot blocks. NVFP4 never
     uses tl.dot_scaled, so `native` leaves it alone."""
     pairs, experts = tokens * 6, 256
@@ -336,8 +337,8 @@ def test_nvfp4_default_config_with_k_and_i_odd_multiples_of_16():
     """NVFP4 allows K and I multiples of 16; where they are not multiples of 32 the default launch
     avoids the mma path (which needs 32) at every size class, through the op."""
     w = make_experts("nvfp4", 2, 48, 48, seed=31)
-    # 1 and 9 pairs per expert: the two NVFP4 mma size classes at K, I multiples of 32
-    for tokens, mma_class in ((1, "mma_one"), (9, "mma")):
+    # 1, 2 and 9 pairs per expert: the NVFP4 mma size classes at K, I multiples of 32
+    for tokens, mma_class in ((1, "mma_one"), (2, "mma_two"), (9, "mma")):
         ids, weights = make_routing(tokens, 2, 2, "random", seed=31 + tokens)
         x = torch.randn(tokens, 48, generator=torch.Generator().manual_seed(tokens))
         assert moe.size_class(tokens * 2, 2, "nvfp4") == mma_class
