@@ -5,10 +5,12 @@
     python -m bench.paired_step --smoke --out DIR                         # CPU: the tiny model
 
 A variant is `label` (fp4_moe's DEFAULT_CONFIGS as they are) or `label:class.field=value;...`, which
-replaces TileConfig fields of DEFAULT_CONFIGS[class] (values are Python literals). Each variant compiles
-the step again on the same model and caches, with its configs in place while it compiles, records its
-CUDA graph and runs; its logits are compared with the first variant's. A second compile of the first
-variant joins as the noise control. The steps then alternate for --rounds rounds, each between two
+replaces TileConfig fields of DEFAULT_CONFIGS[class] (values are Python literals); `inductor.option=value`
+passes an inductor config option to the backend for that variant's compile (for example
+`combo:inductor.combo_kernels=True`). Each variant compiles the step again on the same model and caches,
+with its configs in place while it compiles, records its CUDA graph and runs; its logits are compared
+with the first variant's. A variant whose compile or first run raises is reported and left out. A
+second compile of the first variant joins as the noise control. The steps then alternate for --rounds rounds, each between two
 CUDA events, without an L2 flush or a host sync inside the loop, so a drift of the GPU's speed reaches
 every variant alike. The report gives each variant's median step and the median and quartiles of its
 paired differences against the first. (Blocks of do_bench replays, one variant after another, favoured
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -28,37 +31,67 @@ import time
 from pathlib import Path
 
 CONTROL = "control"
+INDUCTOR = "inductor"
 
 
-def parse_variant(spec: str, configs: dict) -> tuple[str, dict]:
-    """`label` or `label:class.field=value;...` -> (label, {class: TileConfig}) of the changed classes.
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One compile of the step: fp4_moe size classes replaced (class -> TileConfig) and inductor options."""
 
-    Raises ValueError naming the spec for a missing label, an unknown size class or field, a value
-    that is not a Python literal, or one TileConfig rejects."""
+    label: str
+    configs: dict
+    inductor: dict
+
+    def describe(self) -> str:
+        parts = [f"{c}: {cfg}" for c, cfg in self.configs.items()]
+        parts += [f"{INDUCTOR}.{option}={value!r}" for option, value in self.inductor.items()]
+        return "; ".join(parts)
+
+
+def parse_variant(spec: str, configs: dict, inductor_options: set[str] | None = None) -> Variant:
+    """`label` or `label:class.field=value;...` (class `inductor`: an inductor config option) -> Variant.
+
+    configs: fp4_moe's DEFAULT_CONFIGS; inductor_options: the option names inductor knows (default:
+    those of the installed torch). Raises ValueError naming the spec for a missing label, an unknown
+    size class, field or inductor option, a value that is not a Python literal, or one TileConfig
+    rejects."""
     label, _, changes = spec.partition(":")
     label = label.strip()
     if not label:
         raise ValueError(f"variant {spec!r}: needs a label before ':'")
+    if inductor_options is None:
+        import torch._inductor.config
+
+        inductor_options = set(torch._inductor.config.get_config_copy())
     fields = {f.name for f in dataclasses.fields(next(iter(configs.values())))}
     wanted: dict[str, dict] = {}
+    inductor: dict = {}
     for change in filter(None, (c.strip() for c in changes.split(";"))):
         target, eq, raw = change.partition("=")
         size_class, dot, field = target.strip().partition(".")
         if not (eq and dot):
             raise ValueError(f"variant {spec!r}: {change!r} is not class.field=value")
-        if size_class not in configs:
-            raise ValueError(f"variant {spec!r}: unknown size class {size_class!r}; one of {sorted(configs)}")
-        if field not in fields:
+        if size_class == INDUCTOR:
+            if field not in inductor_options:
+                raise ValueError(f"variant {spec!r}: inductor has no config option {field!r}")
+        elif size_class not in configs:
+            raise ValueError(f"variant {spec!r}: unknown size class {size_class!r}; one of "
+                             f"{sorted(configs) + [INDUCTOR]}")
+        elif field not in fields:
             raise ValueError(f"variant {spec!r}: TileConfig has no field {field!r}; fields: {sorted(fields)}")
         try:
             value = ast.literal_eval(raw.strip())
         except (ValueError, SyntaxError):
             raise ValueError(f"variant {spec!r}: {raw.strip()!r} is not a Python literal") from None
-        wanted.setdefault(size_class, {})[field] = value
+        if size_class == INDUCTOR:
+            inductor[field] = value
+        else:
+            wanted.setdefault(size_class, {})[field] = value
     try:
-        return label, {c: dataclasses.replace(configs[c], **f) for c, f in wanted.items()}
+        replaced = {c: dataclasses.replace(configs[c], **f) for c, f in wanted.items()}
     except (TypeError, ValueError) as exc:
         raise ValueError(f"variant {spec!r}: {exc}") from None
+    return Variant(label, replaced, inductor)
 
 
 def paired_summary(times_us: dict[str, list[float]]) -> list[dict]:
@@ -87,6 +120,8 @@ def markdown(meta: dict, rows: list[dict], logits: dict[str, float]) -> str:
         lines.append(f"| {row['variant']} | {meta['changes'].get(row['variant'], '') or '-'} | {row['median_us']:.1f} us "
                      f"| {row['diff_median_us']:+.1f} us | {row['diff_q1_us']:+.1f} / {row['diff_q3_us']:+.1f} "
                      f"| {logits[row['variant']]:.3e} |")
+    for label, why in meta["failed"].items():
+        lines.append(f"| {label} | {meta['changes'].get(label, '') or '-'} | failed: {why} | | | |")
     if meta["mode"] == "smoke":
         lines += ["", "CPU wall clock: checks the harness, not a measurement."]
     return "\n".join(lines) + "\n"
@@ -130,10 +165,10 @@ def main(argv: list[str] | None = None) -> int:
         variants = [parse_variant(spec, defaults) for spec in args.variants.split(",") if spec.strip()]
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
-    labels = [label for label, _ in variants]
+    labels = [v.label for v in variants]
     if len(set(labels)) != len(labels) or CONTROL in labels:
         raise SystemExit(f"--variants: labels must be distinct and not {CONTROL!r}, got {labels}")
-    variants.append((CONTROL, variants[0][1]))
+    variants.append(dataclasses.replace(variants[0], label=CONTROL))
 
     device = torch.device("cpu" if args.smoke else "cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -148,11 +183,14 @@ def main(argv: list[str] | None = None) -> int:
     start = torch.full((args.batch,), args.context, dtype=torch.int64, device=device)
     rows = torch.arange(args.batch, dtype=torch.int64, device=device)
 
-    steps, logits = {}, {}
-    for index, (label, configs) in enumerate(variants):
-        compiled = engine.compiled_step if index == 0 else compile_step(engine.module, engine.backend, 1)
+    steps, logits, failed = {}, {}, {}
+    for index, variant in enumerate(variants):
+        if index == 0 and not variant.inductor:
+            compiled = engine.compiled_step
+        else:
+            compiled = compile_step(engine.module, functools.partial(engine.backend, options=variant.inductor), 1)
 
-        def step(compiled=compiled, configs=configs):
+        def step(compiled=compiled, configs=variant.configs):
             # The op reads DEFAULT_CONFIGS when it launches: while a CUDA graph records, and at every
             # call on CPU, where nothing is recorded.
             fp4_moe.DEFAULT_CONFIGS.update(defaults)
@@ -162,11 +200,19 @@ def main(argv: list[str] | None = None) -> int:
             with torch.no_grad():
                 return compiled(ids, start, rows)
         began = time.perf_counter()
-        logits[label] = step().float().clone()
-        for _ in range(3 if device.type == "cuda" else 0):  # the CUDA graph tree records on a later call
-            step()
-        print(f"[{label}] compiled and recorded in {time.perf_counter() - began:.1f} s", flush=True)
-        steps[label] = step
+        try:
+            logits[variant.label] = step().float().clone()
+            for _ in range(3 if device.type == "cuda" else 0):  # the CUDA graph tree records on a later call
+                step()
+        except Exception as exc:  # one variant that does not build must not cost the others' device time
+            if index == 0:
+                raise
+            failed[variant.label] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+            logits.pop(variant.label, None)
+            print(f"[{variant.label}] failed: {failed[variant.label]}", flush=True)
+            continue
+        print(f"[{variant.label}] compiled and recorded in {time.perf_counter() - began:.1f} s", flush=True)
+        steps[variant.label] = step
     fp4_moe.DEFAULT_CONFIGS.update(defaults)
     first = logits[labels[0]]
     logits_diff = {label: (value - first).abs().max().item() for label, value in logits.items()}
@@ -176,8 +222,8 @@ def main(argv: list[str] | None = None) -> int:
 
     command = "python -m bench.paired_step " + " ".join(sys.argv[1:] if argv is None else argv)
     meta = dict(report.run_meta(command, device), mode="smoke" if args.smoke else "gpu", batch=args.batch, tokens=args.tokens, context=args.context,
-                max_context=max_context, rounds=args.rounds,
-                changes={label: "; ".join(f"{c}: {cfg}" for c, cfg in configs.items()) for label, configs in variants})
+                max_context=max_context, rounds=args.rounds, changes={v.label: v.describe() for v in variants},
+                failed=failed)
     rows_out = paired_summary(times)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "paired.json").write_text(json.dumps(dict(meta=meta, rows=rows_out, logits_max_abs_diff=logits_diff,

@@ -9,20 +9,32 @@ from helpers import bench_module
 
 
 def test_parse_variant_replaces_fields_of_one_size_class():
-    parse = bench_module("paired_step").parse_variant
+    module = bench_module("paired_step")
     defaults = dict(fp4_moe.DEFAULT_CONFIGS)
-    assert parse("base", defaults) == ("base", {})
-    label, configs = parse("nocaps: mma.max_regs=0; mma.down_max_regs=0;mma_one.block_n=32", defaults)
-    assert label == "nocaps" and set(configs) == {"mma", "mma_one"}
-    assert configs["mma"] == dataclasses.replace(defaults["mma"], max_regs=0, down_max_regs=0)
-    assert configs["mma_one"] == dataclasses.replace(defaults["mma_one"], block_n=32)
+    assert module.parse_variant("base", defaults) == module.Variant("base", {}, {})
+    variant = module.parse_variant("nocaps: mma.max_regs=0; mma.down_max_regs=0;mma_one.block_n=32", defaults)
+    assert variant.label == "nocaps" and set(variant.configs) == {"mma", "mma_one"} and variant.inductor == {}
+    assert variant.configs["mma"] == dataclasses.replace(defaults["mma"], max_regs=0, down_max_regs=0)
+    assert variant.configs["mma_one"] == dataclasses.replace(defaults["mma_one"], block_n=32)
     assert fp4_moe.DEFAULT_CONFIGS == defaults  # parsing changes nothing
+
+
+def test_parse_variant_takes_inductor_options():
+    """`inductor.<option>` (dotted options too) goes to the variant's inductor options, beside size
+    class fields; the names are checked against the installed inductor's config."""
+    module = bench_module("paired_step")
+    variant = module.parse_variant("x: inductor.combo_kernels=True; inductor.triton.autotune_pointwise=True;"
+                                   "mma.max_regs=0", dict(fp4_moe.DEFAULT_CONFIGS))
+    assert variant.inductor == {"combo_kernels": True, "triton.autotune_pointwise": True}
+    assert set(variant.configs) == {"mma"}
+    assert "inductor.combo_kernels=True" in variant.describe()
 
 
 @pytest.mark.parametrize("spec, match", [
     (":mma.max_regs=0", "label"), ("x:mma.max_regs", "class.field=value"), ("x:max_regs=0", "class.field=value"),
     ("x:huge.max_regs=0", "unknown size class"), ("x:mma.regs=0", "no field"), ("x:mma.max_regs=oops", "literal"),
     ("x:mma.max_regs=999", "max_regs"), ("x:mma.block_n=48", "block_n"),
+    ("x:inductor.no_such_option=1", "no config option"), ("x:inductor.combo_kernels=yes", "literal"),
 ])
 def test_parse_variant_rejects_bad_specs_naming_them(spec, match):
     with pytest.raises(ValueError, match=match) as err:
@@ -41,13 +53,16 @@ def test_paired_summary_takes_medians_of_differences():
 
 def test_smoke_run_compiles_each_variant_with_its_configs(tmp_path, monkeypatch):
     """Three compiles of the tiny model's step (B=2, T=1: the 'mma_one' class): the defaults, a variant
-    that sends that class down the GEMV path, and the control. The variant's configs reach the op (a
-    spy on choose_config sees both paths), the control's logits equal the first's exactly, the GEMV
-    path's agree within f32 rounding of K=64 / I=32 products, DEFAULT_CONFIGS is left as it was, and
-    the reports are written."""
+    that sends that class down the GEMV path with an inductor option, and the control; a fourth variant
+    whose compile raises is reported and left out. The variant's configs reach the op (a spy on
+    choose_config sees both paths) and its option the backend, the control's logits equal the first's
+    exactly, the GEMV path's agree within f32 rounding of K=64 / I=32 products, DEFAULT_CONFIGS is left
+    as it was, and the reports are written."""
+    from dsv4_compile.backend import Dsv4Backend
+
     module = bench_module("paired_step")
     defaults = dict(fp4_moe.DEFAULT_CONFIGS)
-    seen = []
+    seen, options_seen = [], []
     choose = fp4_moe.choose_config
 
     def spy(*args, **kwargs):
@@ -55,12 +70,25 @@ def test_smoke_run_compiles_each_variant_with_its_configs(tmp_path, monkeypatch)
         seen.append(config.path)
         return config
     monkeypatch.setattr(fp4_moe, "choose_config", spy)
-    assert module.main(["--smoke", "--out", str(tmp_path),
-                        "--variants", "base,gemv:mma_one.path='gemv'"]) == 0
+    backend_call = Dsv4Backend.__call__
+
+    def backend_spy(self, gm, example_inputs, **kwargs):
+        options_seen.append(kwargs.get("options"))
+        if (kwargs.get("options") or {}).get("benchmark_kernel"):
+            raise RuntimeError("this variant does not build")
+        return backend_call(self, gm, example_inputs, **kwargs)
+    monkeypatch.setattr(Dsv4Backend, "__call__", backend_spy)
+    assert module.main(["--smoke", "--out", str(tmp_path), "--variants",
+                        "base,gemv:mma_one.path='gemv';inductor.aggressive_fusion=True,"
+                        "broken:inductor.benchmark_kernel=True"]) == 0
     assert fp4_moe.DEFAULT_CONFIGS == defaults
     assert {"mma", "gemv"} <= set(seen)
+    assert {"aggressive_fusion": True} in options_seen
     result = json.loads((tmp_path / "paired.json").read_text())
     assert [r["variant"] for r in result["rows"]] == ["base", "gemv", "control"]
+    assert "does not build" in result["meta"]["failed"]["broken"]
+    broken_row = next(line for line in (tmp_path / "paired.md").read_text().splitlines() if line.startswith("| broken"))
+    assert "failed:" in broken_row and "does not build" in broken_row
     assert all(len(times) == 1 for times in result["times_us"].values())  # smoke: one round
     diffs = result["logits_max_abs_diff"]
     assert diffs["base"] == 0.0 and diffs["control"] == 0.0
