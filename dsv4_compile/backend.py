@@ -38,13 +38,21 @@ def _records_path(gm: torch.fx.GraphModule, example_inputs: list[Any], uuid: byt
 # options={"triton.autotune_pointwise": True} restores inductor's default.
 DEFAULT_INDUCTOR_OPTIONS: dict[str, Any] = {"triton.autotune_pointwise": False}
 
+# Decode graphs (T=1) launch about a hundred small inductor kernels a step, bound by launch and ramp-up
+# rather than bytes. Combo kernels launch data-independent ones as one kernel. Timed paired on the H200
+# (4-layer full-width slice, bench/RESULTS.md "Fourteenth session"): B=64 T=1 -72 us of 4,264, B=1
+# -64 us of 1,260; at B=64 T=4 +35 us of 7,490, so verify graphs keep inductor's default.
+DECODE_INDUCTOR_OPTIONS: dict[str, Any] = {"combo_kernels": True}
+
 
 class Dsv4Backend:
     """A callable torch.compile backend.
 
     `torch.compile(fn, backend=Dsv4Backend())`. It runs inductor's compile_fx with the dsv4
-    passes on `post_grad_custom_post_pass` and DEFAULT_INDUCTOR_OPTIONS (`options` override them;
-    mode="max-autotune" autotunes pointwise kernels again); `report` collects the sites they considered.
+    passes on `post_grad_custom_post_pass`, DEFAULT_INDUCTOR_OPTIONS and, for decode graphs (a 2-D
+    integer input [B, 1] first: the step's input_ids), DECODE_INDUCTOR_OPTIONS (`options` override
+    them; mode="max-autotune" autotunes pointwise kernels again); `report` collects the sites they
+    considered.
     """
 
     def __init__(self, config: PassConfig | None = None, report: PassReport | None = None,
@@ -57,13 +65,16 @@ class Dsv4Backend:
                  mode: str | None = None, options: dict | None = None) -> Callable:
         from torch._inductor.compile_fx import compile_fx
 
+        label = _graph_label(example_inputs)
         patches: dict[str, Any] = dict(DEFAULT_INDUCTOR_OPTIONS)
+        if label == "T=1":
+            patches.update(DECODE_INDUCTOR_OPTIONS)
         if mode is not None:
             patches.update(torch._inductor.list_mode_options(mode))
         patches.update(options or {})
         if self.cudagraphs is not None:
             patches["triton.cudagraphs"] = self.cudagraphs
-        post_grad = Dsv4PostGradPass(self.config, self.report, _graph_label(example_inputs))
+        post_grad = Dsv4PostGradPass(self.config, self.report, label)
         patches["post_grad_custom_post_pass"] = post_grad
         install_lowerings()
         before = len(self.report.records)

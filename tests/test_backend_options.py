@@ -4,7 +4,7 @@ import torch
 import torch._inductor.compile_fx
 
 import dsv4_compile
-from dsv4_compile.backend import DEFAULT_INDUCTOR_OPTIONS, Dsv4Backend
+from dsv4_compile.backend import DECODE_INDUCTOR_OPTIONS, DEFAULT_INDUCTOR_OPTIONS, Dsv4Backend
 from dsv4_compile.passes.manager import PassConfig
 
 
@@ -28,7 +28,7 @@ def _compile(backend, **kwargs):
 
 def test_defaults_are_real_inductor_options():
     config = torch._inductor.config
-    for key in DEFAULT_INDUCTOR_OPTIONS:
+    for key in {**DEFAULT_INDUCTOR_OPTIONS, **DECODE_INDUCTOR_OPTIONS}:
         section, _, name = key.rpartition(".")
         assert hasattr(getattr(config, section) if section else config, name), key
 
@@ -49,3 +49,19 @@ def test_module_backend_compiles_with_the_defaults():
     x = torch.randn(8)
     compiled = torch.compile(lambda t: torch.sigmoid(t) * 2, backend=dsv4_compile.Dsv4Backend(), fullgraph=True)
     torch.testing.assert_close(compiled(x), torch.sigmoid(x) * 2, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("tokens, combo", [(1, True), (4, False)])
+def test_combo_kernels_for_decode_graphs_only(captured, tokens, combo):
+    """A graph whose first 2-D integer input is [B, 1] (the step's input_ids at decode) gets combo
+    kernels; verify graphs (T=4) and graphs without such an input keep inductor's default; `options`
+    override it."""
+    gm = torch.fx.symbolic_trace(lambda ids, x: x + ids.sum())
+    backend = Dsv4Backend(PassConfig(passes=()))
+    backend(gm, [torch.zeros(8, tokens, dtype=torch.int64), torch.randn(4)])
+    backend(gm, [torch.zeros(8, 1, dtype=torch.int64), torch.randn(4)], options={"combo_kernels": False})
+    _compile(backend)
+    decode, overridden, plain = captured
+    assert decode.get("combo_kernels", False) is combo
+    assert overridden["combo_kernels"] is False
+    assert "combo_kernels" not in plain
