@@ -1,4 +1,4 @@
-"""Paired A/B timing of optimize()'s step under variants of the FP4 MoE launch configs.
+"""Paired A/B timing of optimize()'s step under variants of the FP4 MoE launch configs and inductor options.
 
     python -m bench.paired_step --batch 64 --tokens 1 --out DIR \\
         --variants "base,nocaps:mma.max_regs=0;mma.down_max_regs=0"     # GPU: the full-width slice
