@@ -10,12 +10,12 @@ passes an inductor config option to the backend for that variant's compile (for 
 `combo:inductor.combo_kernels=True`). Each variant compiles the step again on the same model and caches,
 with its configs in place while it compiles, records its CUDA graph and runs; its logits are compared
 with the first variant's. A variant whose compile or first run raises is reported and left out. A
-second compile of the first variant joins as the noise control. The steps then alternate for --rounds rounds, each between two
-CUDA events, without an L2 flush or a host sync inside the loop, so a drift of the GPU's speed reaches
-every variant alike. The report gives each variant's median step and the median and quartiles of its
-paired differences against the first. (Blocks of do_bench replays, one variant after another, favoured
-whichever heavy case ran first by 3-6%: bench/RESULTS.md, thirteenth session.) On CPU the times are
-wall clock and not a measurement.
+second compile of the first variant joins as the noise control. The steps then alternate for --rounds
+rounds, each between two CUDA events, without an L2 flush or a host sync inside the loop, so a drift of
+the GPU's speed reaches every variant alike. The report gives each variant's median step and the median
+and quartiles of its paired differences against the first. (Blocks of do_bench replays, one variant
+after another, favoured whichever heavy case ran first by 3-6%: bench/RESULTS.md, thirteenth session.)
+On CPU the times are wall clock and not a measurement.
 """
 from __future__ import annotations
 
