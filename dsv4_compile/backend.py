@@ -19,6 +19,11 @@ def _graph_label(example_inputs: list[Any]) -> str:
     return ""
 
 
+def _runs_on_cuda(example_inputs: list[Any]) -> bool:
+    """Whether the graph's tensor inputs live on a CUDA device (inductor then emits Triton kernels)."""
+    return any(isinstance(v, torch.Tensor) and v.device.type == "cuda" for v in example_inputs)
+
+
 def _records_path(gm: torch.fx.GraphModule, example_inputs: list[Any], uuid: bytes) -> Path:
     """Where the pass records of this graph are kept, so that an FX-cache hit (on which the
     passes do not run) still reports what they did when the cached code was made."""
@@ -41,7 +46,8 @@ DEFAULT_INDUCTOR_OPTIONS: dict[str, Any] = {"triton.autotune_pointwise": False}
 # Decode graphs (T=1) launch about a hundred small inductor kernels a step, bound by launch and ramp-up
 # rather than bytes. Combo kernels launch data-independent ones as one kernel. Timed paired on the H200
 # (4-layer full-width slice, bench/RESULTS.md "Fourteenth session"): B=64 T=1 -72 us of 4,264, B=1
-# -64 us of 1,260; at B=64 T=4 +35 us of 7,490, so verify graphs keep inductor's default.
+# -64 us of 1,260; at B=64 T=4 +35 us of 7,490, so verify graphs keep inductor's default. CPU graphs
+# (C++ kernels) keep it too: there the option only added compile time (+13 s to a CPU test's 137 s).
 DECODE_INDUCTOR_OPTIONS: dict[str, Any] = {"combo_kernels": True}
 
 
@@ -49,10 +55,10 @@ class Dsv4Backend:
     """A callable torch.compile backend.
 
     `torch.compile(fn, backend=Dsv4Backend())`. It runs inductor's compile_fx with the dsv4
-    passes on `post_grad_custom_post_pass`, DEFAULT_INDUCTOR_OPTIONS and, for decode graphs (a 2-D
-    integer input [B, 1] first: the step's input_ids), DECODE_INDUCTOR_OPTIONS (`options` override
-    them; mode="max-autotune" autotunes pointwise kernels again); `report` collects the sites they
-    considered.
+    passes on `post_grad_custom_post_pass`, DEFAULT_INDUCTOR_OPTIONS and, for decode graphs on a
+    CUDA device (a 2-D integer input [B, 1] first: the step's input_ids), DECODE_INDUCTOR_OPTIONS
+    (`options` override them; mode="max-autotune" autotunes pointwise kernels again); `report`
+    collects the sites they considered.
     """
 
     def __init__(self, config: PassConfig | None = None, report: PassReport | None = None,
@@ -67,7 +73,7 @@ class Dsv4Backend:
 
         label = _graph_label(example_inputs)
         patches: dict[str, Any] = dict(DEFAULT_INDUCTOR_OPTIONS)
-        if label == "T=1":
+        if label == "T=1" and _runs_on_cuda(example_inputs):
             patches.update(DECODE_INDUCTOR_OPTIONS)
         if mode is not None:
             patches.update(torch._inductor.list_mode_options(mode))

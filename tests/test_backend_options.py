@@ -1,4 +1,6 @@
 """Dsv4Backend's inductor options: its defaults reach compile_fx, and mode / options override them."""
+import importlib
+
 import pytest
 import torch
 import torch._inductor.compile_fx
@@ -51,11 +53,14 @@ def test_module_backend_compiles_with_the_defaults():
     torch.testing.assert_close(compiled(x), torch.sigmoid(x) * 2, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("tokens, combo", [(1, True), (4, False)])
-def test_combo_kernels_for_decode_graphs_only(captured, tokens, combo):
-    """A graph whose first 2-D integer input is [B, 1] (the step's input_ids at decode) gets combo
-    kernels; verify graphs (T=4) and graphs without such an input keep inductor's default; `options`
-    override it."""
+@pytest.mark.parametrize("tokens, on_cuda, combo", [(1, True, True), (4, True, False), (1, False, False)])
+def test_combo_kernels_for_decode_graphs_on_cuda_only(captured, monkeypatch, tokens, on_cuda, combo):
+    """A CUDA graph whose first 2-D integer input is [B, 1] (the step's input_ids at decode) gets
+    combo kernels; verify graphs (T=4), CPU graphs and graphs without such an input keep inductor's
+    default; `options` override it. (CUDA inputs are simulated: the check reads only their device.)"""
+    # the module itself: the package's attribute `backend` is a Dsv4Backend instance
+    backend_module = importlib.import_module("dsv4_compile.backend")
+    monkeypatch.setattr(backend_module, "_runs_on_cuda", lambda example_inputs: on_cuda)
     gm = torch.fx.symbolic_trace(lambda ids, x: x + ids.sum())
     backend = Dsv4Backend(PassConfig(passes=()))
     backend(gm, [torch.zeros(8, tokens, dtype=torch.int64), torch.randn(4)])
@@ -65,3 +70,10 @@ def test_combo_kernels_for_decode_graphs_only(captured, tokens, combo):
     assert decode.get("combo_kernels", False) is combo
     assert overridden["combo_kernels"] is False
     assert "combo_kernels" not in plain
+
+
+def test_cpu_and_meta_inputs_do_not_count_as_cuda():
+    from dsv4_compile.backend import _runs_on_cuda
+
+    assert not _runs_on_cuda([torch.zeros(2, 1, dtype=torch.int64), 3, torch.randn(4)])
+    assert not _runs_on_cuda([torch.empty(2, device="meta")])
