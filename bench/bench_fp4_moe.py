@@ -205,8 +205,8 @@ def graph_replay(fn):
 
 def paired_times(fns: dict, rounds: int, flush_l2: bool = True) -> dict[str, list[float]]:
     """ms of each callable in each round; every round runs them all in turn. CUDA: each between two
-    events (after an L2 flush, a 256 MB write, with flush_l2), no host sync inside the loop, so the variants share any
-    drift of the GPU's speed (blocks of replays, one variant after another, favoured whichever heavy
+    events (after an L2 flush, a 256 MB write, with flush_l2), no host sync inside the loop, so the
+    variants share any drift of the GPU's speed (blocks of replays, one variant after another, favoured whichever heavy
     case ran first by 3-6%: RESULTS.md, thirteenth session). CPU: the wall clock of each run."""
     if not torch.cuda.is_available():
         times = {label: [] for label in fns}
@@ -216,12 +216,13 @@ def paired_times(fns: dict, rounds: int, flush_l2: bool = True) -> dict[str, lis
                 fn()
                 times[label].append((time.perf_counter() - start) * 1e3)
         return times
-    flush = torch.empty(256 << 20 if flush_l2 else 0, dtype=torch.uint8, device="cuda")
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda") if flush_l2 else None
     events = {label: [] for label in fns}
     torch.cuda.synchronize()
     for _ in range(rounds):
         for label, fn in fns.items():
-            flush.zero_()
+            if flush is not None:
+                flush.zero_()
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
             fn()

@@ -48,21 +48,19 @@ class Variant:
         return "; ".join(parts)
 
 
-def parse_variant(spec: str, configs: dict, inductor_options: set[str] | None = None) -> Variant:
-    """`label` or `label:class.field=value;...` (class `inductor`: an inductor config option) -> Variant.
+def parse_variant(spec: str, configs: dict) -> Variant:
+    """`label` or `label:class.field=value;...` (class `inductor`: an option of the installed torch's
+    inductor config) -> Variant. configs: fp4_moe's DEFAULT_CONFIGS.
 
-    configs: fp4_moe's DEFAULT_CONFIGS; inductor_options: the option names inductor knows (default:
-    those of the installed torch). Raises ValueError naming the spec for a missing label, an unknown
-    size class, field or inductor option, a value that is not a Python literal, or one TileConfig
-    rejects."""
+    Raises ValueError naming the spec for a missing label, an unknown size class, field or inductor
+    option, a value that is not a Python literal, or one TileConfig rejects."""
+    import torch._inductor.config
+
     label, _, changes = spec.partition(":")
     label = label.strip()
     if not label:
         raise ValueError(f"variant {spec!r}: needs a label before ':'")
-    if inductor_options is None:
-        import torch._inductor.config
-
-        inductor_options = set(torch._inductor.config.get_config_copy())
+    inductor_options = torch._inductor.config.get_config_copy()
     fields = {f.name for f in dataclasses.fields(next(iter(configs.values())))}
     wanted: dict[str, dict] = {}
     inductor: dict = {}
