@@ -1,6 +1,7 @@
 """The dsv4 torch.compile backend: inductor with one post-grad CustomGraphPass."""
 import hashlib
 import json
+import logging
 from pathlib import Path
 from typing import Any, Callable
 
@@ -8,6 +9,8 @@ import torch
 
 from dsv4_compile.passes.manager import Dsv4PostGradPass, PassConfig, install_lowerings
 from dsv4_compile.passes.report import PassReport, records_from_json, records_to_json
+
+log = logging.getLogger("dsv4_compile")
 
 
 def _graph_label(example_inputs: list[Any]) -> str:
@@ -41,7 +44,14 @@ def _records_path(gm: torch.fx.GraphModule, example_inputs: list[Any], uuid: byt
 # those saves took ~30 s of the first call (H200, the bench's 4-layer slice at 1M context).
 # Pointwise kernels (the cache writes among them) take inductor's single heuristic config instead;
 # options={"triton.autotune_pointwise": True} restores inductor's default.
-DEFAULT_INDUCTOR_OPTIONS: dict[str, Any] = {"triton.autotune_pointwise": False}
+DEFAULT_INDUCTOR_OPTIONS: dict[str, Any] = {"triton.autotune_pointwise": False, "coordinate_descent_tuning": False}
+
+# Inductor's coordinate descent tuning (which mode="max-autotune" turns on) made the 4-layer
+# full-width step return wrong logits on the H200, max abs difference 3.5 against the same step
+# without it, and take 131 ms instead of 4.0 (torch 2.11, with and without combo kernels;
+# bench/RESULTS.md "Fifteenth session"). Until its cause is found the backend keeps it off: a mode
+# that implies it loses it with a warning, and `options` asking for it raise.
+UNSAFE_INDUCTOR_OPTIONS = ("coordinate_descent_tuning",)
 
 # Decode graphs (T=1) launch about a hundred small inductor kernels a step, bound by launch and ramp-up
 # rather than bytes. Combo kernels launch data-independent ones as one kernel. Timed paired on the H200
@@ -58,7 +68,8 @@ class Dsv4Backend:
     passes on `post_grad_custom_post_pass`, DEFAULT_INDUCTOR_OPTIONS and, for decode graphs on a
     CUDA device (a 2-D integer input [B, 1] first: the step's input_ids), DECODE_INDUCTOR_OPTIONS
     (`options` override them; mode="max-autotune" autotunes pointwise kernels again); `report`
-    collects the sites they considered.
+    collects the sites they considered. UNSAFE_INDUCTOR_OPTIONS stay off: ValueError if `options`
+    turns one on.
     """
 
     def __init__(self, config: PassConfig | None = None, report: PassReport | None = None,
@@ -77,6 +88,14 @@ class Dsv4Backend:
             patches.update(DECODE_INDUCTOR_OPTIONS)
         if mode is not None:
             patches.update(torch._inductor.list_mode_options(mode))
+        for option in UNSAFE_INDUCTOR_OPTIONS:
+            if (options or {}).get(option):
+                raise ValueError(f"options[{option!r}] must be False with the dsv4 backend: it gave wrong "
+                                 f"logits on the H200 (see dsv4_compile.backend.UNSAFE_INDUCTOR_OPTIONS)")
+            if patches[option]:
+                log.warning("dsv4: mode=%r turns on %s, which gave wrong logits on the H200; it stays off",
+                            mode, option)
+                patches[option] = False
         patches.update(options or {})
         if self.cudagraphs is not None:
             patches["triton.cudagraphs"] = self.cudagraphs

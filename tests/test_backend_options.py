@@ -6,7 +6,8 @@ import torch
 import torch._inductor.compile_fx
 
 import dsv4_compile
-from dsv4_compile.backend import DECODE_INDUCTOR_OPTIONS, DEFAULT_INDUCTOR_OPTIONS, Dsv4Backend
+from dsv4_compile.backend import (DECODE_INDUCTOR_OPTIONS, DEFAULT_INDUCTOR_OPTIONS, UNSAFE_INDUCTOR_OPTIONS,
+                                  Dsv4Backend)
 from dsv4_compile.passes.manager import PassConfig
 
 
@@ -44,6 +45,29 @@ def test_pointwise_autotuning_off_unless_overridden(captured, kwargs, pointwise)
     assert "post_grad_custom_post_pass" in patches
     if kwargs.get("mode") == "max-autotune":
         assert patches["max_autotune"] is True
+
+
+@pytest.mark.parametrize("mode", ["max-autotune", "max-autotune-no-cudagraphs"])
+def test_mode_loses_coordinate_descent_tuning_with_a_warning(captured, caplog, mode):
+    """The modes that imply coordinate descent tuning keep their other options and lose that one,
+    as does inductor's global config (the backend's default patch overrides it)."""
+    with torch._inductor.config.patch(coordinate_descent_tuning=True):
+        _compile(Dsv4Backend(PassConfig(passes=())))
+    with caplog.at_level("WARNING", logger="dsv4_compile"):
+        _compile(Dsv4Backend(PassConfig(passes=())), mode=mode)
+    default, moded = captured
+    assert UNSAFE_INDUCTOR_OPTIONS == ("coordinate_descent_tuning",)
+    assert default["coordinate_descent_tuning"] is False
+    assert moded["coordinate_descent_tuning"] is False and moded["max_autotune"] is True
+    assert "coordinate_descent_tuning" in caplog.text and mode in caplog.text
+
+
+def test_options_asking_for_coordinate_descent_tuning_raise(captured):
+    backend = Dsv4Backend(PassConfig(passes=()))
+    with pytest.raises(ValueError, match="coordinate_descent_tuning"):
+        _compile(backend, options={"coordinate_descent_tuning": True})
+    _compile(backend, options={"coordinate_descent_tuning": False})
+    assert len(captured) == 1 and captured[0]["coordinate_descent_tuning"] is False
 
 
 def test_module_backend_compiles_with_the_defaults():
