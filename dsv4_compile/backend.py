@@ -77,6 +77,7 @@ class Dsv4Backend:
         self.config = config or PassConfig()
         self.report = report if report is not None else PassReport()
         self.cudagraphs = cudagraphs
+        self._dropped: set[str] = set()  # UNSAFE_INDUCTOR_OPTIONS a mode turned on, warned about once
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any], *,
                  mode: str | None = None, options: dict | None = None) -> Callable:
@@ -93,8 +94,10 @@ class Dsv4Backend:
                 raise ValueError(f"options[{option!r}] must be False with the dsv4 backend: it gave wrong "
                                  f"logits on the H200 (see dsv4_compile.backend.UNSAFE_INDUCTOR_OPTIONS)")
             if patches[option]:
-                log.warning("dsv4: mode=%r turns on %s, which gave wrong logits on the H200; it stays off",
-                            mode, option)
+                if option not in self._dropped:
+                    self._dropped.add(option)
+                    log.warning("dsv4: mode=%r turns on %s, which gave wrong logits on the H200; it stays off",
+                                mode, option)
                 patches[option] = False
         patches.update(options or {})
         if self.cudagraphs is not None:
