@@ -1079,7 +1079,13 @@ class TileConfig:
 # down 64 rows on 2 warps, without asm scales or caps: timed paired against the 32-row class at M=48,
 # 64, 80, MXFP4 -1.7 / -1.3 / -0.4%, NVFP4 -2.8 / -3.3 / -2.3%, and in the B=64 T=1 step -41 us of
 # 4,280 (RESULTS.md "Fourteenth session"). At 6 pairs (T=4) 16-row gate/up did not win (step +30 and
-# +43 us with asm scales, within its noise; kernels at M=256 +3 to +6%).
+# +43 us with asm scales, within its noise; kernels at M=256 +3 to +6%). Up to 2 pairs per expert the
+# down kernel now takes 128 rows on 4 warps (`mma_small`): paired kernels against 64 x 2 at M=48, 64,
+# 80, MXFP4 -2.0 / -3.2 / -3.3 us, NVFP4 -3.4 / -3.9 / -4.6 (-0.3 to -0.5%), and against the
+# one-warp 16-row down at M=2, 4, 8, 16, 32, MXFP4 -1.8 / -3.8 / -6.0 / -14.3 / -24.7 us, NVFP4 -2.5 /
+# -4.8 / -7.2 / -18.2 / -33.8 (-2 to -5%); but +2.8 / +1.5 us (+5 / +3%) at M=1 (6 pairs), so up to
+# TOKEN_MAX_PAIRS pairs (one decode token's choices; `mma_token`) keep the one-warp down (RESULTS.md
+# "Fifteenth session"; the step itself was not re-timed).
 # Beyond 16 pairs per expert (prefill) both formats
 # take 64-row dot blocks. Where FP4
 # tensor cores exist (sm_100+) MXFP4 takes GEMV up to GEMV_MAX_ROWS and the dot path above, which
@@ -1088,11 +1094,12 @@ class TileConfig:
 # see check_mxfp4_scale_range).
 GEMV_MAX_ROWS = 2
 DENSE_MIN_ROWS = 17
+TOKEN_MAX_PAIRS = 8  # measured: 6 pairs lose with the 128-row down, 12 gain
 DEFAULT_CONFIGS = {
     "gemv": TileConfig("gemv", 1, 16, 512, num_warps=4, prefetch=True),
-    "mma_one": TileConfig("mma", 8, 16, 128, num_warps=1, num_stages=1, prefetch=True),
-    "mma_two": TileConfig("mma", 8, 16, 128, num_warps=1, num_stages=1, prefetch=True, down_block_n=64,
-                          down_num_warps=2),
+    "mma_token": TileConfig("mma", 8, 16, 128, num_warps=1, num_stages=1, prefetch=True),
+    "mma_small": TileConfig("mma", 8, 16, 128, num_warps=1, num_stages=1, prefetch=True, down_block_n=128,
+                            down_num_warps=4),
     "mma": TileConfig("mma", 8, 32, 128, num_warps=1, num_stages=1, prefetch=True, scale_asm=True,
                       max_regs=160, down_max_regs=112),
     "dot16": TileConfig("dot", 16, 64, 128, num_warps=4, num_stages=2),
@@ -1109,7 +1116,9 @@ def size_class(pairs: int, experts: int, fmt: str, native_fp4: bool = False, mma
         return "dot64"
     if (fmt == "mxfp4" and native_fp4) or not mma_fits:
         return "gemv" if average <= GEMV_MAX_ROWS else "dot16"
-    return {1: "mma_one", 2: "mma_two"}.get(average, "mma")
+    if pairs <= TOKEN_MAX_PAIRS:
+        return "mma_token"
+    return "mma_small" if average <= 2 else "mma"
 
 
 def choose_config(pairs: int, experts: int, fmt: str, native_fp4: bool = False,

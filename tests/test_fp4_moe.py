@@ -221,7 +221,7 @@ def test_each_path_matches_reference(path_config, fmt):
     check_pairs_against_reference(x, ids, weights, w, 0.5, path_config, torch.float32)
 
 
-@pytest.mark.parametrize("name", ["mma_one", "mma_two", "mma"])
+@pytest.mark.parametrize("name", ["mma_token", "mma_small", "mma"])
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 def test_mma_several_scale_groups_per_lane(fmt, name):
     """The default mma tiles at K = I = their BLOCK_K (128): each quad lane's 4 words span a whole
@@ -237,6 +237,19 @@ def test_mma_several_scale_groups_per_lane(fmt, name):
     pairs = moe.fp4_moe_pairs_triton(*_args(x, ids, weights, w, None), pair_out=pair_out, config=config)
     want = moe.fp4_moe_reference(*_args(x, ids, weights, w, None))
     assert_close_scaled(combine_pairs(pairs, ids, experts, x.dtype), want, torch.float32)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_mma_small_down_block_wider_than_hidden(fmt):
+    """`mma_small`'s down kernel writes 128 output columns a program: at the tiny model's hidden size
+    (64) half of each program's rows are past K, masked on load and store (NaN-poisoned pair rows)."""
+    experts, hidden, inter, tokens, top_k = 8, 64, 128, 8, 2
+    config = moe.DEFAULT_CONFIGS["mma_small"]
+    assert config.down_shape()[0] > hidden and moe.size_class(tokens * top_k, experts, fmt) == "mma_small"
+    w = make_experts(fmt, experts, hidden, inter, seed=41)
+    ids, weights = make_routing(tokens, top_k, experts, "random", seed=41)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(42))
+    check_pairs_against_reference(x, ids, weights, w, 0.5, config, torch.float32)
 
 
 @pytest.mark.parametrize(
@@ -257,15 +270,16 @@ def test_all_tokens_on_one_expert(config):
 
 @pytest.mark.parametrize(
     "tokens, mxfp4, nvfp4, mxfp4_native",
-    [(1, "mma_one", "mma_one", "gemv"), (8, "mma_one", "mma_one", "gemv"), (42, "mma_one", "mma_one", "gemv"),
-     (43, "mma_two", "mma_two", "gemv"), (64, "mma_two", "mma_two", "gemv"), (85, "mma_two", "mma_two", "gemv"),
+    [(1, "mma_token", "mma_token", "gemv"), (2, "mma_small", "mma_small", "gemv"),
+     (8, "mma_small", "mma_small", "gemv"), (42, "mma_small", "mma_small", "gemv"),
+     (43, "mma_small", "mma_small", "gemv"), (64, "mma_small", "mma_small", "gemv"), (85, "mma_small", "mma_small", "gemv"),
      (86, "mma", "mma", "dot16"), (256, "mma", "mma", "dot16"), (682, "mma", "mma", "dot16"),
      (683, "dot64", "dot64", "dot64"), (4096, "dot64", "dot64", "dot64")],
 )
 def test_size_class_rule(tokens, mxfp4, nvfp4, mxfp4_native):
-    """V4-Flash (E=256, k=6): decode and verify take the mma path (16 weight rows a program at one
-    pair per expert, M <= 42; 16 for gate/up and 64 for down at two, M <= 85; 32 up to 16 pairs per
-    expert), except MXFP4 on GPUs with FP4 tensor
+    """V4-Flash (E=256, k=6): decode and verify take the mma path (16 weight rows a program and a
+    one-warp down for one token's 6 pairs; 16 for gate/up and 128 rows on 4 warps for down up to two
+    pairs per expert, M <= 85; 32 up to 16 pairs per expert), except MXFP4 on GPUs with FP4 tensor
     cores (GEMV up to 2 pairs, then tl.dot_scaled); prefill takes 64-row dot blocks. NVFP4 never
     uses tl.dot_scaled, so `native` leaves it alone."""
     pairs, experts = tokens * 6, 256
@@ -336,12 +350,12 @@ def test_mma_path_needs_multiples_of_32():
 def test_nvfp4_default_config_with_k_and_i_odd_multiples_of_16():
     """NVFP4 allows K and I multiples of 16; where they are not multiples of 32 the default launch
     avoids the mma path (which needs 32) at every size class, through the op."""
-    w = make_experts("nvfp4", 2, 48, 48, seed=31)
-    # 1, 2 and 9 pairs per expert: the NVFP4 mma size classes at K, I multiples of 32
-    for tokens, mma_class in ((1, "mma_one"), (2, "mma_two"), (9, "mma")):
-        ids, weights = make_routing(tokens, 2, 2, "random", seed=31 + tokens)
+    w = make_experts("nvfp4", 8, 48, 48, seed=31)
+    # 2 pairs, 2 and 10 pairs per expert: the NVFP4 mma size classes at K, I multiples of 32
+    for tokens, mma_class in ((1, "mma_token"), (8, "mma_small"), (40, "mma")):
+        ids, weights = make_routing(tokens, 2, 8, "random", seed=31 + tokens)
         x = torch.randn(tokens, 48, generator=torch.Generator().manual_seed(tokens))
-        assert moe.size_class(tokens * 2, 2, "nvfp4") == mma_class
+        assert moe.size_class(tokens * 2, 8, "nvfp4") == mma_class
         got = torch.ops.dsv4.fp4_moe(*_args(x, ids, weights, w, None))
         assert_close_scaled(got, moe.fp4_moe_reference(*_args(x, ids, weights, w, None)), torch.float32)
 

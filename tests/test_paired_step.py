@@ -12,10 +12,10 @@ def test_parse_variant_replaces_fields_of_one_size_class():
     module = bench_module("paired_step")
     defaults = dict(fp4_moe.DEFAULT_CONFIGS)
     assert module.parse_variant("base", defaults) == module.Variant("base", {}, {})
-    variant = module.parse_variant("nocaps: mma.max_regs=0; mma.down_max_regs=0;mma_one.block_n=32", defaults)
-    assert variant.label == "nocaps" and set(variant.configs) == {"mma", "mma_one"} and variant.inductor == {}
+    variant = module.parse_variant("nocaps: mma.max_regs=0; mma.down_max_regs=0;mma_token.block_n=32", defaults)
+    assert variant.label == "nocaps" and set(variant.configs) == {"mma", "mma_token"} and variant.inductor == {}
     assert variant.configs["mma"] == dataclasses.replace(defaults["mma"], max_regs=0, down_max_regs=0)
-    assert variant.configs["mma_one"] == dataclasses.replace(defaults["mma_one"], block_n=32)
+    assert variant.configs["mma_token"] == dataclasses.replace(defaults["mma_token"], block_n=32)
     assert fp4_moe.DEFAULT_CONFIGS == defaults  # parsing changes nothing
 
 
@@ -52,7 +52,7 @@ def test_paired_summary_takes_medians_of_differences():
 
 
 def test_smoke_run_compiles_each_variant_with_its_configs(tmp_path, monkeypatch):
-    """Three compiles of the tiny model's step (B=2, T=1: the 'mma_one' class): the defaults, a variant
+    """Three compiles of the tiny model's step (B=2, T=1: the 'mma_token' class): the defaults, a variant
     that sends that class down the GEMV path, and the control; a fourth variant, with an inductor
     option, whose compile raises is reported and left out. The variant's configs reach the op (a spy on
     choose_config sees both paths) and the option the backend, the control's logits equal the first's
@@ -80,7 +80,7 @@ def test_smoke_run_compiles_each_variant_with_its_configs(tmp_path, monkeypatch)
         return backend_call(self, gm, example_inputs, **kwargs)
     monkeypatch.setattr(Dsv4Backend, "__call__", backend_spy)
     assert module.main(["--smoke", "--out", str(tmp_path), "--variants",
-                        "base,gemv:mma_one.path='gemv',broken:mma_one.block_n=32;inductor.benchmark_kernel=True"]) == 0
+                        "base,gemv:mma_token.path='gemv',broken:mma_token.block_n=32;inductor.benchmark_kernel=True"]) == 0
     assert fp4_moe.DEFAULT_CONFIGS == defaults
     assert {"mma", "gemv"} <= set(seen)
     assert {"benchmark_kernel": True} in options_seen
