@@ -46,12 +46,14 @@ def _records_path(gm: torch.fx.GraphModule, example_inputs: list[Any], uuid: byt
 # options={"triton.autotune_pointwise": True} restores inductor's default.
 DEFAULT_INDUCTOR_OPTIONS: dict[str, Any] = {"triton.autotune_pointwise": False, "coordinate_descent_tuning": False}
 
-# Inductor's coordinate descent tuning (which mode="max-autotune" turns on) made the 4-layer
-# full-width step return wrong logits on the H200, max abs difference 3.5 against the same step
-# without it, and take 131 ms instead of 4.0 (torch 2.11, with and without combo kernels;
-# bench/RESULTS.md "Fifteenth session"). Until its cause is found the backend keeps it off: a mode
-# that implies it loses it with a warning, and `options` asking for it raise.
-UNSAFE_INDUCTOR_OPTIONS = ("coordinate_descent_tuning",)
+# Inductor's coordinate descent tuning (which mode="max-autotune" turns on) also changes inductor's
+# decompositions on GPUs: an mm or bmm with a unit dimension becomes a mul + sum, a form the fp4_moe
+# pass does not recognise, so the FP4 MoE stays the plain-torch reference. On the H200 the 4-layer
+# full-width step then took 131 ms instead of 4.0, compiled in 250-270 s, and its logits differed by up
+# to 3.5 (the model's own routing; bench/RESULTS.md "Fifteenth session"; the missed match reproduces on
+# CPU with those decompositions forced). The backend keeps it off: a mode that implies it loses it
+# with a warning, and `options` asking for it raise.
+UNSUPPORTED_INDUCTOR_OPTIONS = ("coordinate_descent_tuning",)
 
 # Decode graphs (T=1) launch about a hundred small inductor kernels a step, bound by launch and ramp-up
 # rather than bytes. Combo kernels launch data-independent ones as one kernel. Timed paired on the H200
@@ -68,7 +70,7 @@ class Dsv4Backend:
     passes on `post_grad_custom_post_pass`, DEFAULT_INDUCTOR_OPTIONS and, for decode graphs on a
     CUDA device (a 2-D integer input [B, 1] first: the step's input_ids), DECODE_INDUCTOR_OPTIONS
     (`options` override them; mode="max-autotune" autotunes pointwise kernels again); `report`
-    collects the sites they considered. UNSAFE_INDUCTOR_OPTIONS stay off: ValueError if `options`
+    collects the sites they considered. UNSUPPORTED_INDUCTOR_OPTIONS stay off: ValueError if `options`
     turns one on.
     """
 
@@ -77,7 +79,7 @@ class Dsv4Backend:
         self.config = config or PassConfig()
         self.report = report if report is not None else PassReport()
         self.cudagraphs = cudagraphs
-        self._dropped: set[str] = set()  # UNSAFE_INDUCTOR_OPTIONS a mode turned on, warned about once
+        self._dropped: set[str] = set()  # UNSUPPORTED_INDUCTOR_OPTIONS a mode turned on, warned about once
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any], *,
                  mode: str | None = None, options: dict | None = None) -> Callable:
@@ -89,15 +91,16 @@ class Dsv4Backend:
             patches.update(DECODE_INDUCTOR_OPTIONS)
         if mode is not None:
             patches.update(torch._inductor.list_mode_options(mode))
-        for option in UNSAFE_INDUCTOR_OPTIONS:
+        for option in UNSUPPORTED_INDUCTOR_OPTIONS:
             if (options or {}).get(option):
-                raise ValueError(f"options[{option!r}] must be False with the dsv4 backend: it gave wrong "
-                                 f"logits on the H200 (see dsv4_compile.backend.UNSAFE_INDUCTOR_OPTIONS)")
+                raise ValueError(f"options[{option!r}] must be False with the dsv4 backend: it changes inductor's "
+                                 f"mm/bmm decompositions so that the FP4 MoE pass cannot match (see "
+                                 f"dsv4_compile.backend.UNSUPPORTED_INDUCTOR_OPTIONS)")
             if patches[option]:
                 if option not in self._dropped:
                     self._dropped.add(option)
-                    log.warning("dsv4: mode=%r turns on %s, which gave wrong logits on the H200; it stays off",
-                                mode, option)
+                    log.warning("dsv4: mode=%r turns on %s, which keeps the FP4 MoE pass from matching; it "
+                                "stays off", mode, option)
                 patches[option] = False
         patches.update(options or {})
         if self.cudagraphs is not None:

@@ -6,7 +6,7 @@ import torch
 import torch._inductor.compile_fx
 
 import dsv4_compile
-from dsv4_compile.backend import (DECODE_INDUCTOR_OPTIONS, DEFAULT_INDUCTOR_OPTIONS, UNSAFE_INDUCTOR_OPTIONS,
+from dsv4_compile.backend import (DECODE_INDUCTOR_OPTIONS, DEFAULT_INDUCTOR_OPTIONS, UNSUPPORTED_INDUCTOR_OPTIONS,
                                   Dsv4Backend)
 from dsv4_compile.passes.manager import PassConfig
 
@@ -58,7 +58,7 @@ def test_mode_loses_coordinate_descent_tuning_with_a_warning(captured, caplog, m
         _compile(backend, mode=mode)
         _compile(backend, mode=mode)  # SGLang compiles a graph per batch size: one warning
     default, moded, again = captured
-    assert UNSAFE_INDUCTOR_OPTIONS == ("coordinate_descent_tuning",)
+    assert UNSUPPORTED_INDUCTOR_OPTIONS == ("coordinate_descent_tuning",)
     assert default["coordinate_descent_tuning"] is False
     for patches in (moded, again):
         assert patches["coordinate_descent_tuning"] is False and patches["max_autotune"] is True
