@@ -44,22 +44,25 @@ def _records_path(gm: torch.fx.GraphModule, example_inputs: list[Any], uuid: byt
 # those saves took ~30 s of the first call (H200, the bench's 4-layer slice at 1M context).
 # Pointwise kernels (the cache writes among them) take inductor's single heuristic config instead;
 # options={"triton.autotune_pointwise": True} restores inductor's default.
-DEFAULT_INDUCTOR_OPTIONS: dict[str, Any] = {"triton.autotune_pointwise": False, "coordinate_descent_tuning": False}
-
+#
 # Inductor's coordinate descent tuning (which mode="max-autotune" turns on) also changes inductor's
 # decompositions on GPUs: an mm or bmm with a unit dimension becomes a mul + sum, a form the fp4_moe
 # pass does not recognise, so the FP4 MoE stays the plain-torch reference. On the H200 the 4-layer
-# full-width step then took 131 ms instead of 4.0, compiled in 250-270 s, and its logits differed by up
-# to 3.5 (the model's own routing; bench/RESULTS.md "Fifteenth session"; the missed match reproduces on
-# CPU with those decompositions forced). The backend keeps it off: a mode that implies it loses it
-# with a warning, and `options` asking for it raise.
+# full-width step then took 127.6 ms instead of 3.98 (131.6 without combo kernels), compiled in
+# 251-267 s, and its logits differed by up to 3.5 (the model's own routing; bench/RESULTS.md
+# "Fifteenth session"; the missed match reproduces on CPU with those decompositions forced). The
+# backend keeps it off, whatever inductor's global config says: a mode that implies it loses it with
+# a warning, and `options` asking for it raise.
 UNSUPPORTED_INDUCTOR_OPTIONS = ("coordinate_descent_tuning",)
+DEFAULT_INDUCTOR_OPTIONS: dict[str, Any] = {"triton.autotune_pointwise": False,
+                                            **{option: False for option in UNSUPPORTED_INDUCTOR_OPTIONS}}
 
 # Decode graphs (T=1) launch about a hundred small inductor kernels a step, bound by launch and ramp-up
 # rather than bytes. Combo kernels launch data-independent ones as one kernel. Timed paired on the H200
-# (4-layer full-width slice, bench/RESULTS.md "Fourteenth session"): B=64 T=1 -72 us of 4,264, B=1
-# -64 us of 1,260; at B=64 T=4 +35 us of 7,490, so verify graphs keep inductor's default. CPU graphs
-# (C++ kernels) keep it too: there the option only added compile time (+13 s to a CPU test's 137 s).
+# (4-layer full-width slice, bench/RESULTS.md "Fourteenth" and "Fifteenth session"): B=64 T=1 -86 us
+# of 4,071 (against the default without them), B=1 -64 us of 1,260; at B=64 T=4 +35 us of 7,490, so
+# verify graphs keep inductor's default. CPU graphs (C++ kernels) keep it too: there the option only
+# added compile time (+13 s to a CPU test's 137 s).
 DECODE_INDUCTOR_OPTIONS: dict[str, Any] = {"combo_kernels": True}
 
 
@@ -70,8 +73,8 @@ class Dsv4Backend:
     passes on `post_grad_custom_post_pass`, DEFAULT_INDUCTOR_OPTIONS and, for decode graphs on a
     CUDA device (a 2-D integer input [B, 1] first: the step's input_ids), DECODE_INDUCTOR_OPTIONS
     (`options` override them; mode="max-autotune" autotunes pointwise kernels again); `report`
-    collects the sites they considered. UNSUPPORTED_INDUCTOR_OPTIONS stay off: ValueError if `options`
-    turns one on.
+    collects the sites they considered. UNSUPPORTED_INDUCTOR_OPTIONS stay off: a `mode` that turns
+    one on loses it (one warning per backend), and `options` turning one on raise ValueError.
     """
 
     def __init__(self, config: PassConfig | None = None, report: PassReport | None = None,

@@ -1075,7 +1075,7 @@ class TileConfig:
 # (gate/up; 171 uncapped for MXFP4, 255 for NVFP4 on sm_90) and 112 (down; 128): an SM holds more of
 # the one-warp programs. Timed paired in the B=64 step: -68 to -74 us of ~4,300 at T=1, -178 us of
 # 7,699 at T=4; 144 (spills) cost +845 us, 176 +62, down at 96 +72 (RESULTS.md "Thirteenth session").
-# At 2 pairs per expert (M = 43..85 at k=6: the B=64 decode step) gate/up takes 16 weight rows and
+# At 2 pairs per expert (M = 43..85 at k=6: the B=64 decode step) gate/up took 16 weight rows and
 # down 64 rows on 2 warps, without asm scales or caps: timed paired against the 32-row class at M=48,
 # 64, 80, MXFP4 -1.7 / -1.3 / -0.4%, NVFP4 -2.8 / -3.3 / -2.3%, and in the B=64 T=1 step -41 us of
 # 4,280 (RESULTS.md "Fourteenth session"). At 6 pairs (T=4) 16-row gate/up did not win (step +30 and
@@ -1116,9 +1116,9 @@ def size_class(pairs: int, experts: int, fmt: str, native_fp4: bool = False, mma
         return "dot64"
     if (fmt == "mxfp4" and native_fp4) or not mma_fits:
         return "gemv" if average <= GEMV_MAX_ROWS else "dot16"
-    if pairs <= TOKEN_MAX_PAIRS:
-        return "mma_token"
-    return "mma_small" if average <= 2 else "mma"
+    if average > 2:
+        return "mma"
+    return "mma_token" if pairs <= TOKEN_MAX_PAIRS else "mma_small"
 
 
 def choose_config(pairs: int, experts: int, fmt: str, native_fp4: bool = False,

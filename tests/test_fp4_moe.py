@@ -242,7 +242,7 @@ def test_mma_several_scale_groups_per_lane(fmt, name):
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 def test_mma_small_down_block_wider_than_hidden(fmt):
     """`mma_small`'s down kernel writes 128 output columns a program: at the tiny model's hidden size
-    (64) half of each program's rows are past K, masked on load and store (NaN-poisoned pair rows)."""
+    (64) half of them are past the hidden size, masked on load and store (NaN-poisoned pair rows)."""
     experts, hidden, inter, tokens, top_k = 8, 64, 128, 8, 2
     config = moe.DEFAULT_CONFIGS["mma_small"]
     assert config.down_shape()[0] > hidden and moe.size_class(tokens * top_k, experts, fmt) == "mma_small"
@@ -272,7 +272,8 @@ def test_all_tokens_on_one_expert(config):
     "tokens, mxfp4, nvfp4, mxfp4_native",
     [(1, "mma_token", "mma_token", "gemv"), (2, "mma_small", "mma_small", "gemv"),
      (8, "mma_small", "mma_small", "gemv"), (42, "mma_small", "mma_small", "gemv"),
-     (43, "mma_small", "mma_small", "gemv"), (64, "mma_small", "mma_small", "gemv"), (85, "mma_small", "mma_small", "gemv"),
+     (43, "mma_small", "mma_small", "gemv"), (64, "mma_small", "mma_small", "gemv"),
+     (85, "mma_small", "mma_small", "gemv"),
      (86, "mma", "mma", "dot16"), (256, "mma", "mma", "dot16"), (682, "mma", "mma", "dot16"),
      (683, "dot64", "dot64", "dot64"), (4096, "dot64", "dot64", "dot64")],
 )
@@ -290,6 +291,17 @@ def test_size_class_rule(tokens, mxfp4, nvfp4, mxfp4_native):
         config = moe.choose_config(pairs, experts, fmt, native)
         assert config == moe.DEFAULT_CONFIGS[expected]
         assert config.path == expected[:3] if expected != "gemv" else config.path == "gemv"
+
+
+@pytest.mark.parametrize("pairs, experts, expected", [(8, 256, "mma_token"), (9, 256, "mma_small"),
+                                                      (8, 4, "mma_token"), (9, 4, "mma"), (8, 2, "mma"),
+                                                      (0, 256, "mma_token")])
+def test_size_class_token_boundary(pairs, experts, expected):
+    """One decode token's choices (at most TOKEN_MAX_PAIRS pairs) keep the one-warp down unless the
+    experts are so few that the average is above 2 pairs: then the 32-row class, as before."""
+    assert moe.TOKEN_MAX_PAIRS == 8
+    for fmt in ("mxfp4", "nvfp4"):
+        assert moe.size_class(pairs, experts, fmt) == expected, fmt
 
 
 @pytest.mark.parametrize(

@@ -79,8 +79,8 @@ def test_smoke_run_compiles_each_variant_with_its_configs(tmp_path, monkeypatch)
             raise RuntimeError("this variant does not build")
         return backend_call(self, gm, example_inputs, **kwargs)
     monkeypatch.setattr(Dsv4Backend, "__call__", backend_spy)
-    assert module.main(["--smoke", "--out", str(tmp_path), "--variants",
-                        "base,gemv:mma_token.path='gemv',broken:mma_token.block_n=32;inductor.benchmark_kernel=True"]) == 0
+    variants = "base,gemv:mma_token.path='gemv',broken:mma_token.block_n=32;inductor.benchmark_kernel=True"
+    assert module.main(["--smoke", "--out", str(tmp_path), "--variants", variants]) == 0
     assert fp4_moe.DEFAULT_CONFIGS == defaults
     assert {"mma", "gemv"} <= set(seen)
     assert {"benchmark_kernel": True} in options_seen
