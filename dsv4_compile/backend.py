@@ -100,7 +100,7 @@ class Dsv4Backend:
                                  f"mm/bmm decompositions so that the FP4 MoE pass cannot match (see "
                                  f"dsv4_compile.backend.UNSUPPORTED_INDUCTOR_OPTIONS)")
             if patches[option]:
-                if option not in self._dropped:
+                if option not in self._dropped and option not in (options or {}):
                     self._dropped.add(option)
                     log.warning("dsv4: mode=%r turns on %s, which keeps the FP4 MoE pass from matching; it "
                                 "stays off", mode, option)

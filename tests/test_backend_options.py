@@ -74,6 +74,15 @@ def test_options_asking_for_coordinate_descent_tuning_raise(captured):
     assert len(captured) == 1 and captured[0]["coordinate_descent_tuning"] is False
 
 
+def test_mode_with_coordinate_descent_tuning_turned_off_by_options_does_not_warn(captured, caplog):
+    with caplog.at_level("WARNING", logger="dsv4_compile"):
+        _compile(Dsv4Backend(PassConfig(passes=())), mode="max-autotune",
+                 options={"coordinate_descent_tuning": False})
+    (patches,) = captured
+    assert patches["coordinate_descent_tuning"] is False and patches["max_autotune"] is True
+    assert "coordinate_descent_tuning" not in caplog.text
+
+
 def test_module_backend_compiles_with_the_defaults():
     """The options are accepted by the real compile_fx (CPU inductor) and the result is unchanged."""
     x = torch.randn(8)
