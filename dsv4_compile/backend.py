@@ -94,18 +94,18 @@ class Dsv4Backend:
             patches.update(DECODE_INDUCTOR_OPTIONS)
         if mode is not None:
             patches.update(torch._inductor.list_mode_options(mode))
+        options = options or {}
         for option in UNSUPPORTED_INDUCTOR_OPTIONS:
-            if (options or {}).get(option):
+            if options.get(option):
                 raise ValueError(f"options[{option!r}] must be False with the dsv4 backend: it changes inductor's "
                                  f"mm/bmm decompositions so that the FP4 MoE pass cannot match (see "
                                  f"dsv4_compile.backend.UNSUPPORTED_INDUCTOR_OPTIONS)")
-            if patches[option]:
-                if option not in self._dropped and option not in (options or {}):
-                    self._dropped.add(option)
-                    log.warning("dsv4: mode=%r turns on %s, which keeps the FP4 MoE pass from matching; it "
-                                "stays off", mode, option)
-                patches[option] = False
-        patches.update(options or {})
+            if patches[option] and option not in options and option not in self._dropped:
+                self._dropped.add(option)
+                log.warning("dsv4: mode=%r turns on %s, which keeps the FP4 MoE pass from matching; it "
+                            "stays off", mode, option)
+            patches[option] = False
+        patches.update(options)
         if self.cudagraphs is not None:
             patches["triton.cudagraphs"] = self.cudagraphs
         post_grad = Dsv4PostGradPass(self.config, self.report, label)
