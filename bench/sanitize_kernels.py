@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from bench import bench_fp4_moe, bench_indexer, bench_sparse_mla
-from dsv4_compile.kernels import fp4_moe, hc_sinkhorn, indexer_topk, sparse_mla
+from dsv4_compile.kernels import fp4_moe, hc_sinkhorn, indexer_topk, sparse_mla, weight_stream_mm
 from dsv4_compile.kernels.moe_pairs import combine_pairs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -204,8 +204,27 @@ def hc_sinkhorn_cases(gen: torch.Generator) -> None:
         print(f"hc_sinkhorn {matrices} x {n}x{n}: ok (max abs err {err:.2e})", flush=True)
 
 
+def weight_stream_mm_cases(gen: torch.Generator) -> None:
+    """V4-Flash's LM head (129,280 x 4,096 bf16) at 1, 17 and 64 rows, and a weight whose size ends
+    in partial blocks (N = 1,000, K = 1,000) seen through a row stride of 1,024."""
+    for rows, columns, depth, stride in ((1, 129280, 4096, 4096), (17, 129280, 4096, 4096), (64, 129280, 4096, 4096),
+                                         (64, 1000, 1000, 1024)):
+        weight = (torch.randn(columns, stride, device=DEVICE, generator=gen) * depth ** -0.5).to(torch.bfloat16)
+        weight = weight[:, :depth]
+        x = torch.randn(rows, depth, device=DEVICE, generator=gen).to(torch.bfloat16)
+        out = weight_stream_mm.weight_stream_mm(x, weight)
+        torch.cuda.synchronize()
+        ref = weight_stream_mm.weight_stream_mm_reference(x, weight)
+        # f32 sums in another order, each rounded once to bf16: at most about one bf16 ulp apart
+        err = ((out.float() - ref.float()).abs() / ref.float().abs().clamp(min=1.0)).max().item()
+        assert err <= 2 ** -7, f"weight_stream_mm err {err}"
+        print(f"weight_stream_mm [{rows}, {depth}] @ [{columns}, {depth}]^T (row stride {stride}): ok "
+              f"(max rel err {err:.2e})", flush=True)
+
+
 CASES = {"indexer": indexer_cases, "sparse_mla": lambda gen: sparse_mla_cases(),
-         "fp4_moe": fp4_moe_cases, "large_pools": large_pool_cases, "hc_sinkhorn": hc_sinkhorn_cases}
+         "fp4_moe": fp4_moe_cases, "large_pools": large_pool_cases, "hc_sinkhorn": hc_sinkhorn_cases,
+         "weight_stream_mm": weight_stream_mm_cases}
 
 
 def main() -> int:
