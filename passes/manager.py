@@ -19,6 +19,7 @@ PASS_MODULES: tuple[str, ...] = (
     "dsv4_compile.passes.hc_sinkhorn",
     "dsv4_compile.passes.skinny_mm",
     "dsv4_compile.passes.short_bmm",
+    "dsv4_compile.passes.weight_stream_mm",
 )
 # Each module exposes register() -> None, installing its inductor lowerings.
 LOWERING_MODULES: tuple[str, ...] = ("dsv4_compile.lowerings.fp4_moe", "dsv4_compile.lowerings.indexer",
