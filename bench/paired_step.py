@@ -7,7 +7,8 @@
 A variant is `label` (fp4_moe's DEFAULT_CONFIGS as they are) or `label:class.field=value;...`, which
 replaces TileConfig fields of DEFAULT_CONFIGS[class] (values are Python literals); `inductor.option=value`
 passes an inductor config option to the backend for that variant's compile (for example
-`combo:inductor.combo_kernels=True`). Each variant compiles the step again on the same model and caches,
+`combo:inductor.combo_kernels=True`), and `passes.name=False` compiles without that dsv4 pass (for
+example `cublas_head:passes.weight_stream_mm=False`). Each variant compiles the step again on the same model and caches,
 with its configs in place while it compiles, records its CUDA graph and runs; its logits are compared
 with the first variant's. A variant whose compile or first run raises is reported and left out. A
 second compile of the first variant joins as the noise control. The steps then alternate for --rounds
@@ -32,29 +33,36 @@ from pathlib import Path
 
 CONTROL = "control"
 INDUCTOR = "inductor"
+PASSES = "passes"
 
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """One compile of the step: fp4_moe size classes replaced (class -> TileConfig) and inductor options."""
+    """One compile of the step: fp4_moe size classes replaced (class -> TileConfig), inductor options and
+    dsv4 passes left out (their short names)."""
 
     label: str
     configs: dict
     inductor: dict
+    passes_off: tuple[str, ...] = ()
 
     def describe(self) -> str:
         parts = [f"{c}: {cfg}" for c, cfg in self.configs.items()]
         parts += [f"{INDUCTOR}.{option}={value!r}" for option, value in self.inductor.items()]
+        parts += [f"{PASSES}.{name}=False" for name in self.passes_off]
         return "; ".join(parts)
 
 
 def parse_variant(spec: str, configs: dict) -> Variant:
     """`label` or `label:class.field=value;...` (class `inductor`: an option of the installed torch's
-    inductor config) -> Variant. configs: fp4_moe's DEFAULT_CONFIGS.
+    inductor config; class `passes`: a dsv4 pass's short name, value False) -> Variant. configs:
+    fp4_moe's DEFAULT_CONFIGS.
 
-    Raises ValueError naming the spec for a missing label, an unknown size class, field or inductor
-    option, a value that is not a Python literal, or one TileConfig rejects."""
+    Raises ValueError naming the spec for a missing label, an unknown size class, field, inductor
+    option or pass, a value that is not a Python literal, or one TileConfig rejects."""
     import torch._inductor.config
+
+    from dsv4_compile.passes.manager import PASS_MODULES
 
     label, _, changes = spec.partition(":")
     label = label.strip()
@@ -62,8 +70,10 @@ def parse_variant(spec: str, configs: dict) -> Variant:
         raise ValueError(f"variant {spec!r}: needs a label before ':'")
     inductor_options = torch._inductor.config.get_config_copy()
     fields = {f.name for f in dataclasses.fields(next(iter(configs.values())))}
+    pass_names = [module.rsplit(".", 1)[-1] for module in PASS_MODULES]
     wanted: dict[str, dict] = {}
     inductor: dict = {}
+    passes_off: list[str] = []
     for change in filter(None, (c.strip() for c in changes.split(";"))):
         target, eq, raw = change.partition("=")
         size_class, dot, field = target.strip().partition(".")
@@ -72,9 +82,14 @@ def parse_variant(spec: str, configs: dict) -> Variant:
         if size_class == INDUCTOR:
             if field not in inductor_options:
                 raise ValueError(f"variant {spec!r}: inductor has no config option {field!r}")
+        elif size_class == PASSES:
+            if field not in pass_names or raw.strip() != "False":
+                raise ValueError(f"variant {spec!r}: {change!r} must be passes.name=False, name one of {pass_names}")
+            passes_off.append(field)
+            continue
         elif size_class not in configs:
             raise ValueError(f"variant {spec!r}: unknown size class {size_class!r}; one of "
-                             f"{sorted(configs) + [INDUCTOR]}")
+                             f"{sorted(configs) + [INDUCTOR, PASSES]}")
         elif field not in fields:
             raise ValueError(f"variant {spec!r}: TileConfig has no field {field!r}; fields: {sorted(fields)}")
         try:
@@ -89,7 +104,7 @@ def parse_variant(spec: str, configs: dict) -> Variant:
         replaced = {c: dataclasses.replace(configs[c], **f) for c, f in wanted.items()}
     except (TypeError, ValueError) as exc:
         raise ValueError(f"variant {spec!r}: {exc}") from None
-    return Variant(label, replaced, inductor)
+    return Variant(label, replaced, inductor, tuple(passes_off))
 
 
 def paired_summary(times_us: dict[str, list[float]]) -> list[dict]:
@@ -155,8 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     from bench import report
     from bench.bench_fp4_moe import paired_times
     from bench.slice_model import build_slice, fill_caches_, smoke_model
+    from dsv4_compile.backend import Dsv4Backend
     from dsv4_compile.compiled_step import compile_step
     from dsv4_compile.kernels import fp4_moe
+    from dsv4_compile.passes.manager import PASS_MODULES, PassConfig
+    from dsv4_compile.passes.report import PassReport
 
     defaults = dict(fp4_moe.DEFAULT_CONFIGS)
     try:
@@ -183,10 +201,14 @@ def main(argv: list[str] | None = None) -> int:
 
     steps, logits, failed = {}, {}, {}
     for index, variant in enumerate(variants):
-        if index == 0 and not variant.inductor:
+        if index == 0 and not (variant.inductor or variant.passes_off):
             compiled = engine.compiled_step
         else:
-            compiled = compile_step(engine.module, functools.partial(engine.backend, options=variant.inductor), 1)
+            backend = engine.backend
+            if variant.passes_off:
+                kept = tuple(m for m in PASS_MODULES if m.rsplit(".", 1)[-1] not in variant.passes_off)
+                backend = Dsv4Backend(PassConfig(passes=kept), PassReport(), cudagraphs=device.type == "cuda")
+            compiled = compile_step(engine.module, functools.partial(backend, options=variant.inductor), 1)
 
         def step(compiled=compiled, configs=variant.configs):
             # The op reads DEFAULT_CONFIGS when it launches: while a CUDA graph records, and at every

@@ -30,11 +30,19 @@ def test_parse_variant_takes_inductor_options():
     assert "inductor.combo_kernels=True" in variant.describe()
 
 
+def test_parse_variant_leaves_passes_out():
+    module = bench_module("paired_step")
+    variant = module.parse_variant("cublas_head: passes.weight_stream_mm=False", dict(fp4_moe.DEFAULT_CONFIGS))
+    assert variant.passes_off == ("weight_stream_mm",) and variant.configs == {} and variant.inductor == {}
+    assert "passes.weight_stream_mm=False" in variant.describe()
+
+
 @pytest.mark.parametrize("spec, match", [
     (":mma.max_regs=0", "label"), ("x:mma.max_regs", "class.field=value"), ("x:max_regs=0", "class.field=value"),
     ("x:huge.max_regs=0", "unknown size class"), ("x:mma.regs=0", "no field"), ("x:mma.max_regs=oops", "literal"),
     ("x:mma.max_regs=999", "max_regs"), ("x:mma.block_n=48", "block_n"),
     ("x:inductor.no_such_option=1", "no config option"), ("x:inductor.combo_kernels=yes", "literal"),
+    ("x:passes.no_such_pass=False", "passes.name=False"), ("x:passes.skinny_mm=True", "passes.name=False"),
 ])
 def test_parse_variant_rejects_bad_specs_naming_them(spec, match):
     with pytest.raises(ValueError, match=match) as err:
@@ -54,8 +62,8 @@ def test_paired_summary_takes_medians_of_differences():
 def test_smoke_run_compiles_each_variant_with_its_configs(tmp_path, monkeypatch):
     """Three compiles of the tiny model's step (B=2, T=1: the 'mma_token' class): the defaults, a variant
     that sends that class down the GEMV path, and the control; a fourth variant, with an inductor
-    option, whose compile raises is reported and left out. The variant's configs reach the op (a spy on
-    choose_config sees both paths) and the option the backend, the control's logits equal the first's
+    option and a pass left out, whose compile raises is reported and left out. The variant's configs reach
+    the op (a spy on choose_config sees both paths), the option the backend and the pass its config, the control's logits equal the first's
     exactly, the GEMV path's agree within f32 rounding of K=64 / I=32 products, DEFAULT_CONFIGS is left
     as it was, and the reports are written. (Only the failing variant has an option: any option is a
     new inductor compile, which the others share from the FX cache.)"""
@@ -74,16 +82,19 @@ def test_smoke_run_compiles_each_variant_with_its_configs(tmp_path, monkeypatch)
     backend_call = Dsv4Backend.__call__
 
     def backend_spy(self, gm, example_inputs, **kwargs):
-        options_seen.append(kwargs.get("options"))
+        options_seen.append((kwargs.get("options"), self.config.passes))
         if (kwargs.get("options") or {}).get("benchmark_kernel"):
             raise RuntimeError("this variant does not build")
         return backend_call(self, gm, example_inputs, **kwargs)
     monkeypatch.setattr(Dsv4Backend, "__call__", backend_spy)
-    variants = "base,gemv:mma_token.path='gemv',broken:mma_token.block_n=32;inductor.benchmark_kernel=True"
+    variants = ("base,gemv:mma_token.path='gemv',"
+                "broken:mma_token.block_n=32;inductor.benchmark_kernel=True;passes.skinny_mm=False")
     assert module.main(["--smoke", "--out", str(tmp_path), "--variants", variants]) == 0
     assert fp4_moe.DEFAULT_CONFIGS == defaults
     assert {"mma", "gemv"} <= set(seen)
-    assert {"benchmark_kernel": True} in options_seen
+    broken_passes = [passes for options, passes in options_seen if (options or {}).get("benchmark_kernel")]
+    assert broken_passes and all("dsv4_compile.passes.skinny_mm" not in p and "dsv4_compile.passes.fp4_moe" in p
+                                 for p in broken_passes)
     result = json.loads((tmp_path / "paired.json").read_text())
     assert [r["variant"] for r in result["rows"]] == ["base", "gemv", "control"]
     assert "does not build" in result["meta"]["failed"]["broken"]
