@@ -66,6 +66,23 @@ def require(cond: bool, reason: str) -> None:
         raise Decline(reason)
 
 
+def accepted_mms(graph: Graph, report, pass_name: str, is_candidate, check) -> list[Node]:
+    """The aten.mm nodes of `graph` that `is_candidate` picks and `check` accepts. Each candidate is
+    recorded under `pass_name`: declined with the reason `check` raises (Decline), or matched as
+    "[M, K] @ [K, N]"."""
+    accepted = []
+    for mm in [n for n in graph.nodes if is_candidate(n)]:
+        try:
+            check(mm)
+        except Decline as why:
+            report.record(pass_name, mm, False, str(why))
+            continue
+        a, b = mm.args
+        report.record(pass_name, mm, True, f"[{shape(a)[0]}, {shape(a)[1]}] @ [{shape(b)[0]}, {shape(b)[1]}]")
+        accepted.append(mm)
+    return accepted
+
+
 def replace_with_mul_sum(graph: Graph, product: Node) -> Node:
     """Replaces `product` (aten.mm a [M, K] @ b [K, N], or aten.bmm a [G, M, K] @ b [G, K, N]) by
     sum(a[..., :, :, None] * b[..., None, :, :], dim=-2) and returns the new node."""

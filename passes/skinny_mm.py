@@ -19,7 +19,7 @@ import logging
 import torch
 from torch.fx import Graph, Node
 
-from .fx_match import Decline, aten, replace_with_mul_sum, require, shape, val
+from .fx_match import accepted_mms, aten, replace_with_mul_sum, require, shape, val
 
 PASS_NAME = "skinny_mm"
 MAX_COLUMNS = 32
@@ -53,14 +53,7 @@ def _is_candidate(node: Node) -> bool:
 def apply(graph: Graph, report) -> int:
     """Rewrites each matched f32 mm to mul + sum over the reduction dim; records the candidates."""
     rewrites = 0
-    for mm in [n for n in graph.nodes if _is_candidate(n)]:
-        try:
-            _check(mm)
-        except Decline as why:
-            report.record(PASS_NAME, mm, False, str(why))
-            continue
-        a, b = mm.args
-        report.record(PASS_NAME, mm, True, f"[{shape(a)[0]}, {shape(a)[1]}] @ [{shape(b)[0]}, {shape(b)[1]}]")
+    for mm in accepted_mms(graph, report, PASS_NAME, _is_candidate, _check):
         replace_with_mul_sum(graph, mm)
         rewrites += 1
     log.debug("skinny_mm: %d rewrite(s)", rewrites)

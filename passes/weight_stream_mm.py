@@ -20,7 +20,7 @@ from torch.fx import Graph, Node
 
 from dsv4_compile.kernels.weight_stream_mm import DTYPES, MAX_ROWS
 
-from .fx_match import Decline, aten, call, require, shape, val
+from .fx_match import accepted_mms, aten, call, require, shape, val
 
 PASS_NAME = "weight_stream_mm"
 MIN_WEIGHT_BYTES = 256 << 20
@@ -55,14 +55,8 @@ def _check(mm: Node) -> None:
 def apply(graph: Graph, report) -> int:
     """Rewrites each matched mm to dsv4::weight_stream_mm(a, b^T); records the candidates."""
     rewrites = 0
-    for mm in [n for n in graph.nodes if _is_candidate(n)]:
-        try:
-            _check(mm)
-        except Decline as why:
-            report.record(PASS_NAME, mm, False, str(why))
-            continue
+    for mm in accepted_mms(graph, report, PASS_NAME, _is_candidate, _check):
         a, b = mm.args
-        report.record(PASS_NAME, mm, True, f"[{shape(a)[0]}, {shape(a)[1]}] @ [{shape(b)[0]}, {shape(b)[1]}]")
         with graph.inserting_before(mm):
             weight = call(graph, aten.permute.default, (b, [1, 0]))
             product = call(graph, torch.ops.dsv4.weight_stream_mm.default, (a, weight))
