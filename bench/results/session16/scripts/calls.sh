@@ -8,3 +8,5 @@
 #    python -m bench --full --parts e2e --groups 64x1 --contexts 512 --budget-s 330 --out $OUT/e2e   (with the upload change)
 # 6: python tmp_gpu/upload_paired.py
 # 7: cd /tmp && python -m pytest -q -p no:cacheprovider --rootdir $R $R/tests/test_engine_upload.py
+# 8: refused (no machine could be started)
+# 9: python -m bench.paired_step --batch 1 --tokens 1 --rounds 150 --out $OUT/paired_b1 --variants "base,cublas_head:passes.weight_stream_mm=False"
