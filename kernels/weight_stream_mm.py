@@ -75,12 +75,15 @@ def _interpreted(x: torch.Tensor) -> bool:
 
 
 def weight_stream_mm_triton(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Launch on checked arguments (see `weight_stream_mm`); returns [M, N] in x's dtype, contiguous.
-    `out` may be a caller's contiguous tensor of that shape and dtype."""
+    """Launch on arguments `check_weight_stream_mm_args` accepts (see `weight_stream_mm`); returns [M, N]
+    in x's dtype, contiguous. `out` may be a caller's contiguous tensor of that shape and dtype."""
     rows, depth = x.shape
     columns = weight.shape[0]
     if out is None:
         out = torch.empty(rows, columns, dtype=x.dtype, device=x.device)
+    elif out.shape != (rows, columns) or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"weight_stream_mm_triton: out must be a contiguous [{rows}, {columns}] {x.dtype} tensor, "
+                         f"got {out.dtype} {tuple(out.shape)} with strides {out.stride()}")
     if rows == 0 or columns == 0:
         return out
     if depth == 0:
@@ -111,13 +114,21 @@ def check_weight_stream_mm_args(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError(f"weight_stream_mm: x must have at most {MAX_ROWS} rows, got {x.shape[0]}")
     if x.device != weight.device:
         raise ValueError(f"weight_stream_mm: x ({x.device}) and weight ({weight.device}) must be on one device")
+    # The kernel computes these offsets in 32 bits (the weight's row offsets are 64-bit).
+    rows, depth = x.shape
+    for name, what, size, stride in (("x", "row", rows, x.stride(0)), ("x", "K", depth, x.stride(1)),
+                                     ("weight", "K", depth, weight.stride(1)), ("the output", "row", rows, weight.shape[0])):
+        if (size - 1) * stride >= 2**31:
+            raise ValueError(f"weight_stream_mm: {name}'s {what} offsets reach {(size - 1) * stride} elements, past the "
+                             f"kernel's 32-bit range (< 2**31); pass a row-major weight and contiguous rows")
 
 
 @torch.library.custom_op("dsv4::weight_stream_mm", mutates_args=())
 def weight_stream_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T for M <= 64 rows: [M, N] in x's dtype, contiguous.
 
-    x and weight are bf16 or f16 (one dtype), any strides; the product accumulates in f32 and is
+    x and weight are bf16 or f16 (one dtype), any strides whose offsets stay below 2**31 elements
+    (the weight's row stride is free); the product accumulates in f32 and is
     rounded once (`weight_stream_mm_reference`). Static grid, no host syncs (CUDA-graph safe).
     """
     check_weight_stream_mm_args(x, weight)

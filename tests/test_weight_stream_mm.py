@@ -75,7 +75,32 @@ def test_fake_gives_the_output_shape():
     (torch.zeros(MAX_ROWS + 1, 8, dtype=torch.bfloat16), torch.zeros(4, 8, dtype=torch.bfloat16), ValueError,
      f"at most {MAX_ROWS} rows"),
     (torch.zeros(2, 2, 8, dtype=torch.bfloat16), torch.zeros(4, 8, dtype=torch.bfloat16), ValueError, "x must be 2-D"),
+    (torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(4, 8), TypeError, "weight must be one of"),
+    (torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(1, 4, 8, dtype=torch.bfloat16), ValueError,
+     "weight must be 2-D"),
+    # offsets past 2**31 elements (meta tensors: nothing is allocated)
+    (torch.empty(2, 2**20, dtype=torch.bfloat16, device="meta"),
+     torch.empty_strided((4, 2**20), (1, 4096), dtype=torch.bfloat16, device="meta"), ValueError, "weight's K offsets"),
+    (torch.empty_strided((64, 8), (2**26, 1), dtype=torch.bfloat16, device="meta"),
+     torch.empty(4, 8, dtype=torch.bfloat16, device="meta"), ValueError, "x's row offsets"),
+    (torch.empty(64, 8, dtype=torch.bfloat16, device="meta"),
+     torch.empty(2**26, 8, dtype=torch.bfloat16, device="meta"), ValueError, "the output's row offsets"),
 ])
 def test_bad_input_is_refused_naming_the_argument(x, weight, error, words):
     with pytest.raises(error, match=words):
         torch.ops.dsv4.weight_stream_mm(x, weight)
+
+
+@pytest.mark.parametrize("out", [torch.empty(3, 41, dtype=torch.bfloat16), torch.empty(3, 40),
+                                 torch.empty(40, 3, dtype=torch.bfloat16).t()])
+def test_a_wrong_out_is_refused(out):
+    x, weight = make(3, 40, 64, torch.bfloat16, seed=2)
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        weight_stream_mm_triton(x, weight, out=out)
+
+
+def test_a_row_major_weight_of_any_row_stride_is_taken():
+    """Only the weight's K offsets are 32-bit: a weight seen through a row stride past 2**31 / N is fine."""
+    x = torch.empty(64, 8, dtype=torch.bfloat16, device="meta")
+    weight = torch.empty_strided((129280, 8), (2**20, 1), dtype=torch.bfloat16, device="meta")
+    assert torch.ops.dsv4.weight_stream_mm(x, weight).shape == (64, 129280)
