@@ -6,7 +6,9 @@ reaches cuBLAS, which streamed its 1 GB weight at 0.78 of 4.8 TB/s at 64 rows on
 weight (q_b_proj, 1024 x 32768) the two were even, so only weights of MIN_WEIGHT_BYTES and up with
 at least MIN_COLUMNS output columns (enough 128-column programs to fill the GPU) are rewritten.
 
-Matches `aten.mm(a [M, K], b [K, N])` with a and b bf16 or f16 and static K, N past those sizes.
+Matches `aten.mm(a [M, K], b [K, N])` with a and b bf16 or f16 and static K, N past those sizes, where
+the kernel runs (CUDA, or the Triton interpreter in CPU tests: elsewhere the op would be its torch
+reference, an f32 copy of the weight per call).
 Such a product is declined, with the reason in the report, when M is symbolic or above MAX_ROWS, or
 when b is not the transpose of a row-major [N, K] weight (strides (1, K)); every other mm is left
 alone without a record.
@@ -18,6 +20,7 @@ import logging
 import torch
 from torch.fx import Graph, Node
 
+from dsv4_compile.kernels._runtime import triton_runs_on
 from dsv4_compile.kernels.weight_stream_mm import DTYPES, MAX_ROWS
 
 from .fx_match import accepted_mms, aten, call, require, shape, val
@@ -34,7 +37,7 @@ def _is_candidate(node: Node) -> bool:
         return False
     a, b = (val(x) for x in node.args)
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
-            and a.dtype in DTYPES):
+            and a.dtype in DTYPES and triton_runs_on(a)):
         return False
     depth, columns = b.shape
     if not (isinstance(depth, int) and isinstance(columns, int)):

@@ -82,18 +82,37 @@ def test_symbolic_rows_declined(small_thresholds):
 
 
 def test_real_thresholds_take_the_lm_head_and_leave_q_b():
-    """At the module's own thresholds: V4-Flash's LM head (129,280 x 4,096 bf16, 1 GB) is a
-    candidate, its q_b projection (32,768 x 1,024, 64 MB) is not. Checked on fake tensors."""
+    """At the module's own thresholds: V4-Flash's LM head (129,280 x 4,096 bf16, 1 GB) is rewritten, its
+    q_b projection (32,768 x 1,024, 64 MB) is not even a candidate. On fake tensors, weights seen as
+    the transposes of row-major tensors as F.linear passes them."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dsv4_compile.passes.report import PassReport
 
     graph = torch.fx.Graph()
     with FakeTensorMode():
         sizes = {"lm_head": (129280, 4096), "q_b": (32768, 1024)}
-        nodes = {}
+        products = []
         for name, (columns, depth) in sizes.items():
             x = graph.placeholder(f"x_{name}")
             x.meta["val"] = torch.empty(64, depth, dtype=torch.bfloat16)
             w = graph.placeholder(f"w_{name}")
-            w.meta["val"] = torch.empty(depth, columns, dtype=torch.bfloat16)
-            nodes[name] = graph.call_function(aten.mm.default, (x, w))
-    assert weight_stream_mm._is_candidate(nodes["lm_head"]) and not weight_stream_mm._is_candidate(nodes["q_b"])
+            w.meta["val"] = torch.empty(columns, depth, dtype=torch.bfloat16).t()
+            product = graph.call_function(aten.mm.default, (x, w))
+            product.meta["val"] = torch.mm(x.meta["val"], w.meta["val"])
+            products.append(product)
+        graph.output(tuple(products))
+        report = PassReport()
+        assert weight_stream_mm.apply(graph, report) == 1
+    assert [(r.matched, r.reason) for r in report.records] == [(True, "[64, 4096] @ [4096, 129280]")]
+    assert [n.target for n in graph.nodes if n.op == "call_function"].count(aten.mm.default) == 1
+
+
+def test_no_rewrite_where_the_kernel_cannot_run(small_thresholds, monkeypatch):
+    """On a CPU without the Triton interpreter the op would be its reference (an f32 copy of the
+    weight per call): the product stays an mm and nothing is recorded."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    compiled, report, probe = compile_with_probe(linear, weight_stream_mm)
+    x, w = make(4, 300, 64, torch.bfloat16, seed=3)
+    torch.testing.assert_close(compiled(x, w), linear(x, w), rtol=1e-2, atol=1e-2)
+    assert report.records == [] and OP not in probe.targets and aten.mm.default in probe.targets
