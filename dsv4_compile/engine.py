@@ -100,6 +100,9 @@ class Engine:
         so the caller may reuse `host` at once) and sent in one copy on a side stream, which the
         current stream then waits for. The copy's latency (several us a transfer, on the H200)
         thus overlaps the GPU's previous work instead of preceding this step's kernels."""
+        for t in host:
+            if t.dtype != torch.int64:
+                raise TypeError(f"Engine._upload: host tensors must be torch.int64, got {t.dtype}")
         sizes = [t.numel() for t in host]
         starts = [0]
         for size in sizes:

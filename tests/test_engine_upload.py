@@ -19,8 +19,10 @@ def _engines():
 def test_queued_host_steps_equal_device_steps():
     """Six steps queued on host inputs, the host tensors overwritten after each call and no host sync
     in between, against the same steps on device inputs in a second engine (its own caches). Odd
-    sizes (B*T = 3 and 9) put the packed parts at padded offsets."""
+    sizes (B*T = 3 and 9) put the packed parts at padded offsets. The side stream sleeps (~5 ms)
+    before each copy, so a step that did not wait for it would read its inputs unwritten."""
     engine, reference = _engines()
+    engine._upload_stream = torch.cuda.Stream()
     gen = torch.Generator().manual_seed(8)
     got, want = [], []
     for i, (batch, tokens) in enumerate([(3, 1), (3, 3), (4, 1), (1, 4), (3, 1), (2, 4)]):
@@ -28,6 +30,8 @@ def test_queued_host_steps_equal_device_steps():
         start = torch.randint(0, 200, (batch,), generator=gen)
         rows = torch.randperm(4, generator=gen)[:batch]
         want.append(reference.module(ids.cuda(), start.cuda(), rows.cuda()).float())
+        with torch.cuda.stream(engine._upload_stream):
+            torch.cuda._sleep(10_000_000)
         got.append(engine.step(ids, start, rows).float())
         for host in (ids, start, rows):
             host.fill_(-1 if i % 2 else 0)
