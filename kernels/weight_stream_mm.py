@@ -11,8 +11,6 @@ tiles), 49,152 B cross-compiled for sm_120 (limit 101,376 B).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -70,10 +68,6 @@ def _weight_stream_mm_kernel(x_ptr, w_ptr, out_ptr, M, N, K: tl.constexpr,
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
 
 
-def _interpreted(x: torch.Tensor) -> bool:
-    return not x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def weight_stream_mm_triton(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Launch on arguments `check_weight_stream_mm_args` accepts (see `weight_stream_mm`); returns [M, N]
     in x's dtype, contiguous. `out` may be a caller's contiguous tensor of that shape and dtype."""
@@ -91,7 +85,7 @@ def weight_stream_mm_triton(x: torch.Tensor, weight: torch.Tensor, out: torch.Te
     _weight_stream_mm_kernel[(triton.cdiv(columns, BLOCK_N),)](
         x, weight, out, rows, columns, depth, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         out.stride(0), out.stride(1), BLOCK_N=BLOCK_N, BLOCK_M=max(16, triton.next_power_of_2(rows)),
-        BLOCK_K=BLOCK_K, NUM_STAGES=NUM_STAGES, DOT_F32=_interpreted(x), num_warps=NUM_WARPS)
+        BLOCK_K=BLOCK_K, NUM_STAGES=NUM_STAGES, DOT_F32=not x.is_cuda, num_warps=NUM_WARPS)
     return out
 
 
