@@ -95,14 +95,12 @@ class Engine:
         return tuple(t.contiguous() if t.device == self.device else next(uploaded) for t in tensors)
 
     def _upload(self, host: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Copies of host int64 tensors on the engine's GPU, without a host sync: packed into one
-        pinned buffer of their own (the caching host allocator keeps it until the transfer has run,
-        so the caller may reuse `host` at once) and sent in one copy on a side stream, which the
-        current stream then waits for. The copy's latency (several us a transfer, on the H200)
-        thus overlaps the GPU's previous work instead of preceding this step's kernels."""
-        for t in host:
-            if t.dtype != torch.int64:
-                raise TypeError(f"Engine._upload: host tensors must be torch.int64, got {t.dtype}")
+        """Copies of host int64 tensors (check_step_inputs and _run pass nothing else) on the engine's
+        GPU, without a host sync: packed into one pinned buffer of their own (the caching host
+        allocator keeps it until the transfer has run, so the caller may reuse `host` at once) and
+        sent in one copy on a side stream, which the current stream then waits for. The copy's
+        latency (several us a transfer, on the H200) thus overlaps the GPU's previous work instead of
+        preceding this step's kernels."""
         sizes = [t.numel() for t in host]
         starts = [0]
         for size in sizes:
