@@ -299,7 +299,7 @@ def run_case(case: Case, device, smoke: bool, sm120: dict) -> Result:
     out = torch.empty_like(args[0])
     launches = sm.plan_sparse_mla(*args, out=out)
     fwd = launches[0]
-    res.config = {k: fwd.meta[k] for k in ("H_BLOCK", "BLOCK_DV", "BLOCK_N", "num_warps", "num_stages", "PREFETCH")}
+    res.config = {k: fwd.meta[k] for k in ("H_BLOCK", "BLOCK_DV", "BLOCK_N", "num_warps", "num_stages", "IDX_ASM", "KV_HALVES")}
     res.config.update(num_splits=fwd.grid[1], grid=list(fwd.grid))
     # the configs run here, cross-compiled for sm_120 after the timings (check_sm120)
     for launch in launches:
@@ -361,10 +361,10 @@ def markdown(results: list[Result], summary: dict, shared: dict, local: dict) ->
     return "\n".join(lines)
 
 
-# (rows, h_block, block_dv, block_n, num_warps, num_stages, prefetch, max_splits, idx_asm, kv_halves):
+# (rows, h_block, block_dv, block_n, num_warps, num_stages, max_splits, idx_asm, kv_halves):
 # pick_config's defaults (sm.DEFAULT_TILES; copy a winning row there) first, then candidates. The
-# fifth session swept the rest (bench/RESULTS.md): 3 stages, BLOCK_N 16 at 4 or 8 warps, the L2
-# prefetch, 64 heads a program (wgmma) and FP8 n16 st3 all lost to the defaults. sm_90 SASS of the
+# fifth session swept the rest (bench/RESULTS.md): 3 stages, BLOCK_N 16 at 4 or 8 warps, an L2
+# prefetch hint, 64 heads a program (wgmma) and FP8 n16 st3 all lost to the defaults. sm_90 SASS of the
 # CSA tile loop (cross-compiled, B=64, per 32-row tile and warp): bf16 default 797 instructions,
 # 222 regs, one 32-long dependent QK MMA chain, and its cp.async wait drains every group (the index
 # loads are cp.asyncs too), so no gather is in flight while a tile is attended. idx_asm keeps one
@@ -376,11 +376,11 @@ def markdown(results: list[Result], summary: dict, shared: dict, local: dict) ->
 # iteration (1 stage); kv_halves 925; idx_asm + kv_halves at n16 st3: 703 per 16-row tile, two
 # gathers in flight, 224 regs, 98,304 B.
 SWEEP_CONFIGS = [
-    ("bf16", 16, 512, 32, 4, 2, 0, 0, False, False), ("bf16", 16, 512, 32, 4, 2, 0, 0, False, True),
-    ("bf16", 16, 512, 32, 4, 3, 0, 0, True, False), ("bf16", 16, 512, 32, 4, 3, 0, 0, True, True),
-    ("bf16", 16, 512, 32, 8, 3, 0, 0, True, True),
-    ("fp8", 16, 512, 32, 8, 1, 0, 0, False, False), ("fp8", 16, 512, 32, 8, 1, 0, 0, False, True),
-    ("fp8", 16, 512, 16, 8, 3, 0, 0, True, True),
+    ("bf16", 16, 512, 32, 4, 2, 0, False, False), ("bf16", 16, 512, 32, 4, 2, 0, False, True),
+    ("bf16", 16, 512, 32, 4, 3, 0, True, False), ("bf16", 16, 512, 32, 4, 3, 0, True, True),
+    ("bf16", 16, 512, 32, 8, 3, 0, True, True),
+    ("fp8", 16, 512, 32, 8, 1, 0, False, False), ("fp8", 16, 512, 32, 8, 1, 0, False, True),
+    ("fp8", 16, 512, 16, 8, 3, 0, True, True),
 ]
 SWEEP_LAYERS = {"csa": 512, "hca": 1024}
 
@@ -391,12 +391,12 @@ def sweep(device, out_dir: Path, smoke: bool, layers: list[str]) -> int:
     with time, floor fraction, this GPU's registers / spills / shared memory and sm_120's shared
     memory (cross-compiled). Returns 2 when a config disagrees with the reference. smoke: B=1 and
     short lists in the interpreter (wall-clock times; no local registers)."""
-    lines = ["| rows | layer | T | config (h, dv, n, warps, stages, prefetch, splits, idx_asm, kv_halves) | us | "
+    lines = ["| rows | layer | T | config (h, dv, n, warps, stages, splits, idx_asm, kv_halves) | us | "
              "floor us | floor frac | regs | spill B | shared B | sm_120 shared B | sm_120 regs / spill B | max err |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     failed, start = False, time.perf_counter()
     sm120: dict = {}
-    for fmt, h_block, block_dv, block_n, warps, stages, prefetch, max_splits, idx_asm, kv_halves in SWEEP_CONFIGS:
+    for fmt, h_block, block_dv, block_n, warps, stages, max_splits, idx_asm, kv_halves in SWEEP_CONFIGS:
         for layer in layers:
             extra_len = SWEEP_LAYERS[layer]
             for tokens in (1, 4):
@@ -405,8 +405,7 @@ def sweep(device, out_dir: Path, smoke: bool, layers: list[str]) -> int:
                 args = make_inputs(case, device)
                 programs = case.batch * tokens * triton.cdiv(case.heads, h_block) * (case.head_dim // block_dv)
                 splits = sm.split_count(programs, case.window + case.extra_len, device, max_splits=max_splits or None)
-                cfg = sm.LaunchConfig(h_block, block_dv, block_n, splits, warps, stages, prefetch, idx_asm,
-                                      kv_halves)
+                cfg = sm.LaunchConfig(h_block, block_dv, block_n, splits, warps, stages, idx_asm, kv_halves)
                 out = torch.empty_like(args[0])
                 launches = sm.plan_sparse_mla(*args, out=out, config=cfg)
                 compiled = [launch.kernel[launch.grid](*launch.args, **launch.meta) for launch in launches][0]
@@ -423,7 +422,7 @@ def sweep(device, out_dir: Path, smoke: bool, layers: list[str]) -> int:
                 nbytes, flops = floors(case, args)
                 floor_us = max(nbytes / HBM_BYTES_PER_S, flops / BF16_FLOPS_PER_S) * 1e6
                 # T, splits leave smem alone
-                key = (fmt, h_block, block_dv, block_n, warps, stages, prefetch, idx_asm, kv_halves)
+                key = (fmt, h_block, block_dv, block_n, warps, stages, idx_asm, kv_halves)
                 if key not in sm120 and smoke:
                     sm120[key] = ("not checked (interpreter)", "")
                 elif key not in sm120:
@@ -433,7 +432,7 @@ def sweep(device, out_dir: Path, smoke: bool, layers: list[str]) -> int:
                     except Exception as exc:  # noqa: BLE001 - recorded in the table
                         sm120[key] = (f"failed {exc!r:.60}", "")
                 line = (f"| {fmt} | {layer} | {tokens} | {h_block}, {block_dv}, {block_n}, {warps}, {stages}, "
-                        f"{prefetch}, {splits}, {idx_asm:d}, {kv_halves:d} | {seconds * 1e6:.1f} | {floor_us:.1f} | "
+                        f"{splits}, {idx_asm:d}, {kv_halves:d} | {seconds * 1e6:.1f} | {floor_us:.1f} | "
                         f"{floor_us / (seconds * 1e6):.3f} | "
                         f"{getattr(compiled, 'n_regs', '-')} | {getattr(compiled, 'n_spills', '-')} | "
                         f"{compiled.metadata.shared if compiled else '-'} | {sm120[key][0]} | "

@@ -5,18 +5,17 @@ sliding window) and optionally of an extra pool (c4 top-k or all c128 entries) c
 lists, with -1 meaning "skip". Rows are bf16/f32, or FP8 rows (e4m3 nope with one ue8m0 exponent
 per 64 dims, then the rope dims as bf16 bytes).
 
-The Triton kernel is MQA-shaped: a program owns up to 64 heads of one query token (the M dim of
-both dots), gathers each tile of BLOCK_N selected rows once for all of them and uses the same
-gathered rows for QK and PV (K == V). At Dh 512 with 64 heads the value columns are split in
-halves over two programs (each recomputes QK over all dims; the second gather hits L2), so the
-f32 accumulator is [64, 256]. Each token walks its own index list, so CSA verify tokens with
-different top-k lists cost no extra dots; the T tokens of a request run in adjacent programs, so
-rows they share come from L2. The tile loop stops after the token's last selected position
-(HCA lists have -1 tails) and carries the next tile's indices, so Triton's pipeliner gives the
-gather num_stages - 1 shared-memory buffers; with the index loads in inline asm (idx_asm) its wait
-keeps num_stages - 2 gathers in flight while a tile is attended (an optional L2 prefetch hint
-reaches further ahead). kv_halves splits the head dims in two halves: two independent QK MMA
-chains, and the halves share each row's address arithmetic. For small
+The Triton kernel is MQA-shaped: a program owns up to H_BLOCK heads of one query token (the M dim
+of both dots), gathers each tile of BLOCK_N selected rows once for all of them and uses the same
+gathered rows for QK and PV (K == V); the head blocks of a token run in adjacent programs, so
+their gathers after the first hit L2. Each token walks its own index list, so CSA verify tokens
+with different top-k lists cost no extra dots; the T tokens of a request run in adjacent programs,
+so rows they share come from L2. One tile loop walks the main list, then the extra list, each up
+to its last selected position (HCA lists have -1 tails), so both pools share one pipeline fill.
+The loop carries the next tile's indices, so Triton's pipeliner gives the gather num_stages - 1
+shared-memory buffers; with the index loads in inline asm (idx_asm) its wait keeps num_stages - 2
+gathers in flight while a tile is attended. kv_halves splits the head dims in two halves: two
+independent QK MMA chains, and the halves share each row's address arithmetic. For small
 grids the index positions are split across programs (split-K): each split writes its normalised
 partial output and log-sum-exp (`dsv4::sparse_mla_partials`, whose reference is the spec of the
 split), and a combine kernel merges them and adds the sink.
@@ -394,74 +393,93 @@ def _attend_step(q0, q1, m_i, l_i, acc0, acc1, rows, ok, col0,
 
 
 @triton.jit
-def _prefetch_rows_l2(kv_ptr, idx_ptr, stride_ik, start, pos_hi, num_rows, stride_row, stride_col,
-                      LINE_ELEMS: tl.constexpr, ROW_ELEMS: tl.constexpr, ROW_LINES: tl.constexpr,
-                      BLOCK_P: tl.constexpr):
-    """Hints the rows of index positions [start, start + BLOCK_P) into L2 (prefetch.global.L2, one
-    per 128-byte line of each row; skipped lanes issue nothing). No result: a pure latency hint."""
-    offs = start + tl.arange(0, BLOCK_P)
-    rows = tl.load(idx_ptr + offs * stride_ik, mask=offs < pos_hi, other=-1)
-    ok = (rows >= 0) & (rows < num_rows)
-    lines = tl.arange(0, ROW_LINES) * LINE_ELEMS
-    ptrs = kv_ptr + rows.to(tl.int64)[:, None] * stride_row + lines[None, :] * stride_col
-    issue = (ok[:, None] & (lines < ROW_ELEMS)[None, :]).to(tl.int32)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-        "=r,l,r", [ptrs, issue], dtype=tl.int32, is_pure=False, pack=1)
+def _selected_end(idx_ptr, stride_ik, num_idx, num_rows, BLOCK_K: tl.constexpr):
+    """1 + the last index position of a list that selects a row (0 when none does): the tile loop
+    stops there, so long -1 tails (HCA lists) cost one vector load, not tiles."""
+    offs_k = tl.arange(0, BLOCK_K)
+    all_idx = tl.load(idx_ptr + offs_k * stride_ik, mask=offs_k < num_idx, other=-1)
+    return tl.max(tl.where((all_idx >= 0) & (all_idx < num_rows), offs_k, -1), axis=0) + 1
 
 
 @triton.jit
-def _attend_pool(q0, q1, m_i, l_i, acc0, acc1, pos_lo, pos_hi, col0,
-                 kv_ptr, rope_ptr, scale_ptr, stride_row, stride_col, stride_rope_row, stride_scale_row,
-                 idx_ptr, stride_ik, num_rows, num_idx, qk_scale_log2,
-                 HEAD_DIM: tl.constexpr, NOPE: tl.constexpr, FP8: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_K: tl.constexpr,
-                 KV_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
-                 NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, LINE_ELEMS: tl.constexpr,
-                 ROW_ELEMS: tl.constexpr, ROW_LINES: tl.constexpr, IDX_ASM: tl.constexpr,
-                 KV_HALVES: tl.constexpr):
-    """Online softmax over index positions [pos_lo, pos_hi) of one token's list in one pool.
+def _tile_of(i, n_main, m_lo, m_hi, e_lo, e_hi, idx_ptr, stride_ik, num_rows, eidx_ptr, e_stride_ik,
+             e_num_rows, BLOCK_N: tl.constexpr, IDX_ASM: tl.constexpr):
+    """Tile i of the walk (n_main tiles of the main list's [m_lo, m_hi), then the extra list's
+    [e_lo, e_hi)) -> (rows [BN] int64, ok [BN], whether the rows are the extra pool's)."""
+    in_extra = i >= n_main
+    start = tl.where(in_extra, e_lo + (i - n_main) * BLOCK_N, m_lo + i * BLOCK_N)
+    rows, ok = _tile_rows(tl.where(in_extra, eidx_ptr, idx_ptr), tl.where(in_extra, e_stride_ik, stride_ik),
+                          start, tl.where(in_extra, e_hi, m_hi), tl.where(in_extra, e_num_rows, num_rows),
+                          BLOCK_N, IDX_ASM)
+    return rows, ok, in_extra
 
-    The loop stops after the token's last selected position (HCA lists have long -1 tails);
-    inside, lanes with -1 are masked and cost no memory traffic. PREFETCH > 0 (GPU only) also
-    hints the rows PREFETCH tiles ahead into L2, beyond the pipeliner's shared-memory buffers.
-    KV_HALVES: q0/acc0 and q1/acc1 are the two column halves (`_attend_rows_halves`), else q0/acc0
-    are all of them and q1/acc1 pass through.
+
+@triton.jit
+def _attend_tile(q0, q1, m_i, l_i, acc0, acc1, rows, ok, in_extra, col0,
+                 kv_ptr, rope_ptr, scale_ptr, stride_row, stride_col, stride_rope_row, stride_scale_row,
+                 ekv_ptr, erope_ptr, escale_ptr, e_stride_row, e_stride_col, e_stride_rope_row, e_stride_scale_row,
+                 qk_scale_log2,
+                 HEAD_DIM: tl.constexpr, NOPE: tl.constexpr, FP8: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, KV_HALVES: tl.constexpr,
+                 KV_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """`_attend_step` on the rows of the extra pool (in_extra) or of the main pool."""
+    return _attend_step(
+        q0, q1, m_i, l_i, acc0, acc1, rows, ok, col0,
+        tl.where(in_extra, ekv_ptr, kv_ptr), tl.where(in_extra, erope_ptr, rope_ptr),
+        tl.where(in_extra, escale_ptr, scale_ptr), tl.where(in_extra, e_stride_row, stride_row),
+        tl.where(in_extra, e_stride_col, stride_col), tl.where(in_extra, e_stride_rope_row, stride_rope_row),
+        tl.where(in_extra, e_stride_scale_row, stride_scale_row),
+        qk_scale_log2, HEAD_DIM, NOPE, FP8, BLOCK_N, BLOCK_D, BLOCK_DV, KV_HALVES, KV_DTYPE, DOT_PRECISION)
+
+
+@triton.jit
+def _attend_pools(q0, q1, m_i, l_i, acc0, acc1, m_lo, m_hi, e_lo, e_hi, col0,
+                  kv_ptr, rope_ptr, scale_ptr, stride_row, stride_col, stride_rope_row, stride_scale_row,
+                  idx_ptr, stride_ik, num_rows,
+                  ekv_ptr, erope_ptr, escale_ptr, e_stride_row, e_stride_col, e_stride_rope_row, e_stride_scale_row,
+                  eidx_ptr, e_stride_ik, e_num_rows, qk_scale_log2,
+                  HEAD_DIM: tl.constexpr, NOPE: tl.constexpr, FP8: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                  KV_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
+                  NUM_STAGES: tl.constexpr, IDX_ASM: tl.constexpr, KV_HALVES: tl.constexpr):
+    """Online softmax over index positions [m_lo, m_hi) of the main list, then [e_lo, e_hi) of the
+    extra list, in one tile loop (one pipeline fill for both pools); empty ranges take no tile.
+
+    Inside a tile, lanes with -1 are masked and cost no memory traffic. KV_HALVES: q0/acc0 and
+    q1/acc1 are the two column halves (`_attend_rows_halves`), else q0/acc0 are all of them and
+    q1/acc1 pass through.
     """
-    offs_k = tl.arange(0, BLOCK_K)
-    all_idx = tl.load(idx_ptr + offs_k * stride_ik, mask=offs_k < num_idx, other=-1)
-    last = tl.max(tl.where((all_idx >= 0) & (all_idx < num_rows), offs_k, -1), axis=0)
-    pos_hi = tl.minimum(pos_hi, last + 1)
+    n_main = tl.cdiv(tl.maximum(m_hi - m_lo, 0), BLOCK_N)
+    n_tiles = n_main + tl.cdiv(tl.maximum(e_hi - e_lo, 0), BLOCK_N)
     # The next tile's rows travel in the loop state, so the gather's addresses do not come from a
     # load in the same iteration: Triton's pipeliner then multi-buffers the gather (num_stages - 1
     # buffers); loading the indices in the iteration that gathers keeps a single buffer. The
     # gathers stay in flight across the loop's wait only with IDX_ASM (see `_tile_rows`).
     ASM_IDX: tl.constexpr = IDX_ASM and not INTERPRETED  # the interpreter runs no inline asm
-    rows, ok = _tile_rows(idx_ptr, stride_ik, pos_lo, pos_hi, num_rows, BLOCK_N, ASM_IDX)
+    rows, ok, in_extra = _tile_of(0, n_main, m_lo, m_hi, e_lo, e_hi, idx_ptr, stride_ik, num_rows, eidx_ptr,
+                                  e_stride_ik, e_num_rows, BLOCK_N, ASM_IDX)
     if INTERPRETED:  # the interpreter (numpy >= 2.4) cannot take range() bounds from its scalars
-        start = pos_lo
-        while start < pos_hi:
-            m_i, l_i, acc0, acc1 = _attend_step(
-                q0, q1, m_i, l_i, acc0, acc1, rows, ok, col0,
+        i = 0
+        while i < n_tiles:
+            m_i, l_i, acc0, acc1 = _attend_tile(
+                q0, q1, m_i, l_i, acc0, acc1, rows, ok, in_extra, col0,
                 kv_ptr, rope_ptr, scale_ptr, stride_row, stride_col, stride_rope_row, stride_scale_row,
+                ekv_ptr, erope_ptr, escale_ptr, e_stride_row, e_stride_col, e_stride_rope_row, e_stride_scale_row,
                 qk_scale_log2, HEAD_DIM, NOPE, FP8, BLOCK_N, BLOCK_D, BLOCK_DV, KV_HALVES, KV_DTYPE,
                 DOT_PRECISION)
-            rows, ok = _tile_rows(idx_ptr, stride_ik, start + BLOCK_N, pos_hi, num_rows, BLOCK_N, ASM_IDX)
-            start += BLOCK_N
+            rows, ok, in_extra = _tile_of(i + 1, n_main, m_lo, m_hi, e_lo, e_hi, idx_ptr, stride_ik, num_rows,
+                                          eidx_ptr, e_stride_ik, e_num_rows, BLOCK_N, ASM_IDX)
+            i += 1
     else:
-        if PREFETCH > 0:
-            _prefetch_rows_l2(kv_ptr, idx_ptr, stride_ik, pos_lo, pos_hi, num_rows, stride_row, stride_col,
-                              LINE_ELEMS, ROW_ELEMS, ROW_LINES, PREFETCH * BLOCK_N)
-        for start in tl.range(pos_lo, pos_hi, BLOCK_N, num_stages=NUM_STAGES):
-            if PREFETCH > 0:
-                _prefetch_rows_l2(kv_ptr, idx_ptr, stride_ik, start + PREFETCH * BLOCK_N, pos_hi, num_rows,
-                                  stride_row, stride_col, LINE_ELEMS, ROW_ELEMS, ROW_LINES, BLOCK_N)
-            m_i, l_i, acc0, acc1 = _attend_step(
-                q0, q1, m_i, l_i, acc0, acc1, rows, ok, col0,
+        for i in tl.range(0, n_tiles, num_stages=NUM_STAGES):
+            m_i, l_i, acc0, acc1 = _attend_tile(
+                q0, q1, m_i, l_i, acc0, acc1, rows, ok, in_extra, col0,
                 kv_ptr, rope_ptr, scale_ptr, stride_row, stride_col, stride_rope_row, stride_scale_row,
+                ekv_ptr, erope_ptr, escale_ptr, e_stride_row, e_stride_col, e_stride_rope_row, e_stride_scale_row,
                 qk_scale_log2, HEAD_DIM, NOPE, FP8, BLOCK_N, BLOCK_D, BLOCK_DV, KV_HALVES, KV_DTYPE,
                 DOT_PRECISION)
-            rows, ok = _tile_rows(idx_ptr, stride_ik, start + BLOCK_N, pos_hi, num_rows, BLOCK_N, ASM_IDX)
+            rows, ok, in_extra = _tile_of(i + 1, n_main, m_lo, m_hi, e_lo, e_hi, idx_ptr, stride_ik, num_rows,
+                                          eidx_ptr, e_stride_ik, e_num_rows, BLOCK_N, ASM_IDX)
     return m_i, l_i, acc0, acc1
 
 
@@ -478,8 +496,7 @@ def _sparse_mla_fwd(
     FP8: tl.constexpr, H_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_TILE: tl.constexpr,
     HAS_EXTRA: tl.constexpr, HAS_SINK: tl.constexpr, SPLIT: tl.constexpr,
     KV_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_K: tl.constexpr, E_BLOCK_K: tl.constexpr,
-    INTERPRETED: tl.constexpr, NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, LINE_ELEMS: tl.constexpr,
-    ROW_ELEMS: tl.constexpr, ROW_LINES: tl.constexpr, IDX_ASM: tl.constexpr, KV_HALVES: tl.constexpr,
+    INTERPRETED: tl.constexpr, NUM_STAGES: tl.constexpr, IDX_ASM: tl.constexpr, KV_HALVES: tl.constexpr,
 ):
     """One program: H_BLOCK heads x BLOCK_DV value columns of one query token, over one split.
 
@@ -525,21 +542,25 @@ def _sparse_mla_fwd(
         tiles_all += tl.cdiv(e_num_idx, SPLIT_TILE)
     lo = split * tiles_per_split
     hi = tl.minimum(lo + tiles_per_split, tiles_all)
-    m_i, l_i, acc, acc1 = _attend_pool(
-        q0, q1, m_i, l_i, acc, acc1, lo * SPLIT_TILE,
-        tl.minimum(tl.minimum(hi, tiles_main) * SPLIT_TILE, num_idx), col0,
-        kv_ptr, rope_ptr, scale_ptr, stride_row, stride_col, stride_rope_row, stride_scale_row,
-        idx_ptr + b * stride_ib + t * stride_it, stride_ik, num_rows, num_idx, qk_scale_log2,
-        HEAD_DIM, NOPE, FP8, BLOCK_N, BLOCK_D, BLOCK_DV, BLOCK_K, KV_DTYPE, DOT_PRECISION, INTERPRETED, NUM_STAGES,
-        PREFETCH, LINE_ELEMS, ROW_ELEMS, ROW_LINES, IDX_ASM, KV_HALVES)
+    idx_row = idx_ptr + b * stride_ib + t * stride_it
+    eidx_row = eidx_ptr + b * e_stride_ib + t * e_stride_it
+    # Both lists' ends are found before either is walked, so the two scans' loads overlap.
+    m_hi = tl.minimum(tl.minimum(tl.minimum(hi, tiles_main) * SPLIT_TILE, num_idx),
+                      _selected_end(idx_row, stride_ik, num_idx, num_rows, BLOCK_K))
+    e_lo = 0
+    e_hi = 0
     if HAS_EXTRA:
-        m_i, l_i, acc, acc1 = _attend_pool(
-            q0, q1, m_i, l_i, acc, acc1, tl.maximum(lo - tiles_main, 0) * SPLIT_TILE,
-            tl.minimum((hi - tiles_main) * SPLIT_TILE, e_num_idx), col0,
-            ekv_ptr, erope_ptr, escale_ptr, e_stride_row, e_stride_col, e_stride_rope_row, e_stride_scale_row,
-            eidx_ptr + b * e_stride_ib + t * e_stride_it, e_stride_ik, e_num_rows, e_num_idx, qk_scale_log2,
-            HEAD_DIM, NOPE, FP8, BLOCK_N, BLOCK_D, BLOCK_DV, E_BLOCK_K, KV_DTYPE, DOT_PRECISION, INTERPRETED,
-            NUM_STAGES, PREFETCH, LINE_ELEMS, ROW_ELEMS, ROW_LINES, IDX_ASM, KV_HALVES)
+        e_lo = tl.maximum(lo - tiles_main, 0) * SPLIT_TILE
+        e_hi = tl.minimum(tl.minimum((hi - tiles_main) * SPLIT_TILE, e_num_idx),
+                          _selected_end(eidx_row, e_stride_ik, e_num_idx, e_num_rows, E_BLOCK_K))
+    m_i, l_i, acc, acc1 = _attend_pools(
+        q0, q1, m_i, l_i, acc, acc1, lo * SPLIT_TILE, m_hi, e_lo, e_hi, col0,
+        kv_ptr, rope_ptr, scale_ptr, stride_row, stride_col, stride_rope_row, stride_scale_row,
+        idx_row, stride_ik, num_rows,
+        ekv_ptr, erope_ptr, escale_ptr, e_stride_row, e_stride_col, e_stride_rope_row, e_stride_scale_row,
+        eidx_row, e_stride_ik, e_num_rows, qk_scale_log2,
+        HEAD_DIM, NOPE, FP8, BLOCK_N, BLOCK_D, BLOCK_DV, KV_DTYPE, DOT_PRECISION, INTERPRETED, NUM_STAGES,
+        IDX_ASM, KV_HALVES)
 
     bth = bt * H + head  # flat (b, t, h) of each row
     if SPLIT:
@@ -631,8 +652,7 @@ class LaunchConfig:
     """Tile sizes and grid of one launch; a function of shapes and device only (capture-safe).
 
     A program covers h_block heads x block_dv value columns of one query token (block_dv = 0
-    means all of them); block_n index positions per tile; prefetch: how many tiles ahead the
-    rows are hinted into L2 (0 = none; prefetch * block_n a power of two); idx_asm: the tile
+    means all of them); block_n index positions per tile; idx_asm: the tile
     loop's index loads are inline asm, out of the pipeliner's reach, so that its waits keep
     num_stages - 2 gathers in flight (see `_tile_rows`; 2 stages keep none either way); kv_halves:
     the head dims in two column halves, two independent QK dot chains (all value columns only).
@@ -644,7 +664,6 @@ class LaunchConfig:
     num_splits: int
     num_warps: int
     num_stages: int
-    prefetch: int = 0
     idx_asm: bool = False
     kv_halves: bool = False
 
@@ -675,31 +694,36 @@ def split_count(programs: int, num_idx_total: int, device: torch.device, num_spl
 
 
 # pick_config's tiles per row format: (h_block, block_dv (0: all columns), block_n, num_warps,
-# num_stages, prefetch, max_splits (0: the split-K heuristic uncapped), idx_asm, kv_halves), as in
+# num_stages, max_splits (0: the split-K heuristic uncapped), idx_asm, kv_halves), as in
 # the bench's SWEEP_CONFIGS.
 DEFAULT_TILES = {
-    "bf16": (16, 0, 32, 4, 3, 0, 0, True, True),
-    "fp8": (16, 0, 32, 8, 1, 0, 0, False, True),
+    "bf16": (16, 0, 64, 4, 2, 0, True, True),
+    "fp8": (16, 0, 32, 8, 1, 0, False, True),
 }
+# bf16 rows, grids of more than one wave at DEFAULT_TILES' 16 heads (about two programs an SM):
+# 32 heads a program halve the programs and each gathered row serves twice the heads.
+WIDE_GRID_H_BLOCK = 32
 
 
 def pick_config(batch: int, tokens: int, heads: int, head_dim: int, num_idx_total: int,
                 device: torch.device, num_splits: int | None = None, fp8_rows: bool = False) -> LaunchConfig:
     """The launch config for these shapes: DEFAULT_TILES of the row format (16 heads of one token a
-    program, all value columns).
+    program, all value columns), 32 heads a program for bf16 rows on grids wider than one wave.
 
-    H200 sweeps at B=64, H=64, Dh 512, CSA (bench/bench_sparse_mla.py --sweep, bench/RESULTS.md
-    "Fifth session" and "Sixth session"): bf16 rows, 16 heads x 512 columns, BLOCK_N 32, 4 warps, 3
-    stages, index loads outside the pipeliner (idx_asm, so the next tile's gather stays in flight)
-    and two 256-column halves (kv_halves, two shorter QK chains): T=1 52.3 us, T=4 182.6 (61.8 /
-    209.3 without either, 2 stages; 70.6 / 255.2 on 8 warps; fifth session: 73.5 for 64 heads in
-    one program (wgmma), 107.7 with BLOCK_N 16). FP8 rows: 8 warps, 1 stage (81,920 B), kv_halves:
-    155.7 / 567.2 us (186.5 / 697.3 without; the in-register dequantisation spills with more heads
-    or stages). Small grids split the index positions
-    (split-K) so that about two programs run per SM.
+    H200, B=64, H=64, Dh 512, bf16 rows (tmp script of the seventeenth session, bench/RESULTS.md
+    "Seventeenth session"): BLOCK_N 64 on 2 stages against the sixth session's 32 on 3: CSA at 128K
+    41.1 against 47.1 us at T=1, 145.0 against 183.1 at T=4, and 110.2 at T=4 with 32 heads a
+    program (41.8 at T=1, where 16 heads fill one wave). Earlier sweeps ("Fifth session", "Sixth
+    session"): index loads outside the pipeliner (idx_asm) and two 256-column halves (kv_halves, two
+    shorter QK chains) won; 8 warps, 64 heads in one program (wgmma) and BLOCK_N 16 lost. FP8 rows:
+    8 warps, 1 stage (81,920 B), kv_halves: 155.7 / 567.2 us (186.5 / 697.3 without; the
+    in-register dequantisation spills with more heads or stages). Small grids split the index
+    positions (split-K) so that about two programs run per SM.
     """
     tiles = DEFAULT_TILES["fp8" if fp8_rows else "bf16"]
-    h_block, block_dv, block_n, num_warps, num_stages, prefetch, max_splits, idx_asm, kv_halves = tiles
+    h_block, block_dv, block_n, num_warps, num_stages, max_splits, idx_asm, kv_halves = tiles
+    if not fp8_rows and batch * tokens * triton.cdiv(heads, h_block) > 2 * _sm_count(device):
+        h_block = WIDE_GRID_H_BLOCK
     block_d = triton.next_power_of_2(head_dim)
     block_dv = min(block_dv or block_d, block_d)
     # Halves of at least 32 columns (a tl.dot reduction of 16 or more per MMA k-step pair), and
@@ -707,7 +731,7 @@ def pick_config(batch: int, tokens: int, heads: int, head_dim: int, num_idx_tota
     kv_halves = kv_halves and block_dv == block_d and block_d >= 64 and not (fp8_rows and block_d % (2 * SCALE_GROUP))
     programs = batch * tokens * triton.cdiv(heads, h_block) * (block_d // block_dv)
     num_splits = split_count(programs, num_idx_total, device, num_splits, max_splits or None)
-    return LaunchConfig(h_block, block_dv, block_n, num_splits, num_warps, num_stages, prefetch, idx_asm, kv_halves)
+    return LaunchConfig(h_block, block_dv, block_n, num_splits, num_warps, num_stages, idx_asm, kv_halves)
 
 
 def _pool_args(rows: torch.Tensor, scales: torch.Tensor | None, layout: _Layout):
@@ -786,7 +810,6 @@ def plan_sparse_mla(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx, s
     extra = _pool_args(extra_kv, extra_kv_scale, layout) if layout.has_extra else main
     eidx = extra_idx if layout.has_extra else idx
     sink_arg = sink if sink is not None else q
-    kv_elem_bytes = 1 if layout.fp8 else kv.element_size()  # FP8 rows: the byte view (_pool_args)
     num_hblocks = triton.cdiv(heads, cfg.h_block)
     # The Triton 3.6 interpreter multiplies bf16 dot operands as raw 16-bit integers, so on CPU the
     # dots run in f32 (rows are bf16-exact either way; only P's bf16 rounding is not exercised).
@@ -805,10 +828,8 @@ def plan_sparse_mla(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx, s
              KV_DTYPE=tl.float32 if f32_dots else tl.bfloat16, DOT_PRECISION="ieee" if f32_dots else "tf32",
              BLOCK_K=triton.next_power_of_2(max(idx.shape[2], 1)),
              E_BLOCK_K=triton.next_power_of_2(max(num_extra, 1)),
-             INTERPRETED=not q.is_cuda, NUM_STAGES=cfg.num_stages, PREFETCH=cfg.prefetch,
+             INTERPRETED=not q.is_cuda, NUM_STAGES=cfg.num_stages,
              IDX_ASM=cfg.idx_asm, KV_HALVES=cfg.kv_halves,
-             LINE_ELEMS=128 // kv_elem_bytes, ROW_ELEMS=kv.shape[1],
-             ROW_LINES=triton.next_power_of_2(triton.cdiv(kv.shape[1] * kv_elem_bytes, 128)),
              num_warps=cfg.num_warps, num_stages=cfg.num_stages),
     )
     if not split or partials is not None:
