@@ -299,7 +299,8 @@ def run_case(case: Case, device, smoke: bool, sm120: dict) -> Result:
     out = torch.empty_like(args[0])
     launches = sm.plan_sparse_mla(*args, out=out)
     fwd = launches[0]
-    res.config = {k: fwd.meta[k] for k in ("H_BLOCK", "BLOCK_DV", "BLOCK_N", "num_warps", "num_stages", "IDX_ASM", "KV_HALVES")}
+    res.config = {k: fwd.meta[k]
+                  for k in ("H_BLOCK", "BLOCK_DV", "BLOCK_N", "num_warps", "num_stages", "IDX_ASM", "KV_HALVES")}
     res.config.update(num_splits=fwd.grid[1], grid=list(fwd.grid))
     # the configs run here, cross-compiled for sm_120 after the timings (check_sm120)
     for launch in launches:
@@ -362,20 +363,22 @@ def markdown(results: list[Result], summary: dict, shared: dict, local: dict) ->
 
 
 # (rows, h_block, block_dv, block_n, num_warps, num_stages, max_splits, idx_asm, kv_halves):
-# pick_config's defaults (sm.DEFAULT_TILES; copy a winning row there) first, then candidates. The
-# fifth session swept the rest (bench/RESULTS.md): 3 stages, BLOCK_N 16 at 4 or 8 warps, an L2
-# prefetch hint, 64 heads a program (wgmma) and FP8 n16 st3 all lost to the defaults. sm_90 SASS of the
-# CSA tile loop (cross-compiled, B=64, per 32-row tile and warp): bf16 default 797 instructions,
-# 222 regs, one 32-long dependent QK MMA chain, and its cp.async wait drains every group (the index
-# loads are cp.asyncs too), so no gather is in flight while a tile is attended. idx_asm keeps one
-# in flight from 3 stages on (692 instructions, 204 regs, 82,944 B); kv_halves splits QK into two
-# 16-long chains and shares each row's address between the halves (602, 202 regs, 50,432 B); both:
-# 542 instructions, 201 regs, 82,944 B; at 8 warps 374 a warp (QK's 4 column tiles of 8 are
-# computed twice), 128 regs: two 8-warp programs an SM. FP8 default: 1094 instructions (226 register
-# moves, 100 LDS.64 of the transposed K operand), 224 regs, every gather consumed in its own
-# iteration (1 stage); kv_halves 925; idx_asm + kv_halves at n16 st3: 703 per 16-row tile, two
-# gathers in flight, 224 regs, 98,304 B.
+# pick_config's bf16 defaults (sm.DEFAULT_TILES "bf16" and "bf16_wide"; copy a winning row there)
+# first, then the sixth session's candidates (its default was the fourth row). The fifth session
+# swept the rest (bench/RESULTS.md): 3 stages, BLOCK_N 16 at 4 or 8 warps, an L2 prefetch hint, 64
+# heads a program (wgmma) and FP8 n16 st3 all lost to the defaults. sm_90 SASS of the CSA tile loop
+# (cross-compiled, B=64, per 32-row tile and warp): bf16 default 797 instructions, 222 regs, one
+# 32-long dependent QK MMA chain, and its cp.async wait drains every group (the index loads are
+# cp.asyncs too), so no gather is in flight while a tile is attended. idx_asm keeps one in flight
+# from 3 stages on (692 instructions, 204 regs, 82,944 B); kv_halves splits QK into two 16-long
+# chains and shares each row's address between the halves (602, 202 regs, 50,432 B); both: 542
+# instructions, 201 regs, 82,944 B; at 8 warps 374 a warp (QK's 4 column tiles of 8 are computed
+# twice), 128 regs: two 8-warp programs an SM. FP8 default: 1094 instructions (226 register moves,
+# 100 LDS.64 of the transposed K operand), 224 regs, every gather consumed in its own iteration (1
+# stage); kv_halves 925; idx_asm + kv_halves at n16 st3: 703 per 16-row tile, two gathers in flight,
+# 224 regs, 98,304 B.
 SWEEP_CONFIGS = [
+    ("bf16", 16, 512, 64, 4, 2, 0, True, True), ("bf16", 32, 512, 32, 4, 2, 0, True, True),
     ("bf16", 16, 512, 32, 4, 2, 0, False, False), ("bf16", 16, 512, 32, 4, 2, 0, False, True),
     ("bf16", 16, 512, 32, 4, 3, 0, True, False), ("bf16", 16, 512, 32, 4, 3, 0, True, True),
     ("bf16", 16, 512, 32, 8, 3, 0, True, True),

@@ -698,32 +698,34 @@ def split_count(programs: int, num_idx_total: int, device: torch.device, num_spl
 # the bench's SWEEP_CONFIGS.
 DEFAULT_TILES = {
     "bf16": (16, 0, 64, 4, 2, 0, True, True),
+    # bf16 rows on grids of more than one wave at 16 heads (about two programs an SM): 32 heads a
+    # program halve the programs and each gathered row serves twice the heads (64-row tiles would
+    # take 102,400 B of shared memory, over sm_120's 101,376).
+    "bf16_wide": (32, 0, 32, 4, 2, 0, True, True),
     "fp8": (16, 0, 32, 8, 1, 0, False, True),
 }
-# bf16 rows, grids of more than one wave at DEFAULT_TILES' 16 heads (about two programs an SM):
-# 32 heads a program halve the programs and each gathered row serves twice the heads.
-WIDE_GRID_H_BLOCK = 32
 
 
 def pick_config(batch: int, tokens: int, heads: int, head_dim: int, num_idx_total: int,
                 device: torch.device, num_splits: int | None = None, fp8_rows: bool = False) -> LaunchConfig:
     """The launch config for these shapes: DEFAULT_TILES of the row format (16 heads of one token a
-    program, all value columns), 32 heads a program for bf16 rows on grids wider than one wave.
+    program, all value columns; "bf16_wide" for bf16 rows on grids wider than one wave).
 
-    H200, B=64, H=64, Dh 512, bf16 rows (tmp script of the seventeenth session, bench/RESULTS.md
-    "Seventeenth session"): BLOCK_N 64 on 2 stages against the sixth session's 32 on 3: CSA at 128K
-    41.1 against 47.1 us at T=1, 145.0 against 183.1 at T=4, and 110.2 at T=4 with 32 heads a
-    program (41.8 at T=1, where 16 heads fill one wave). Earlier sweeps ("Fifth session", "Sixth
-    session"): index loads outside the pipeliner (idx_asm) and two 256-column halves (kv_halves, two
+    H200, B=64, H=64, Dh 512, bf16 rows, one tile loop over both pools (bench/RESULTS.md
+    "Seventeenth session"): BLOCK_N 64 on 2 stages against the sixth session's 32 on 3, CSA at
+    128K: 41.1 against 47.1 us at T=1, 145.3 against 182.3 at T=4; at T=4 (four waves at 16 heads)
+    32 heads a program on 32-row tiles: 128.0 (2 stages, 67,584 B), 127.4 (3 stages, 100,352 B);
+    at T=1, where 16 heads fill one wave, 32 heads lost (41.8). Earlier sweeps ("Fifth session",
+    "Sixth session"): index loads outside the pipeliner (idx_asm) and two 256-column halves (kv_halves, two
     shorter QK chains) won; 8 warps, 64 heads in one program (wgmma) and BLOCK_N 16 lost. FP8 rows:
     8 warps, 1 stage (81,920 B), kv_halves: 155.7 / 567.2 us (186.5 / 697.3 without; the
     in-register dequantisation spills with more heads or stages). Small grids split the index
     positions (split-K) so that about two programs run per SM.
     """
-    tiles = DEFAULT_TILES["fp8" if fp8_rows else "bf16"]
-    h_block, block_dv, block_n, num_warps, num_stages, max_splits, idx_asm, kv_halves = tiles
-    if not fp8_rows and batch * tokens * triton.cdiv(heads, h_block) > 2 * _sm_count(device):
-        h_block = WIDE_GRID_H_BLOCK
+    key = "fp8" if fp8_rows else "bf16"
+    if key == "bf16" and batch * tokens * triton.cdiv(heads, DEFAULT_TILES[key][0]) > 2 * _sm_count(device):
+        key = "bf16_wide"
+    h_block, block_dv, block_n, num_warps, num_stages, max_splits, idx_asm, kv_halves = DEFAULT_TILES[key]
     block_d = triton.next_power_of_2(head_dim)
     block_dv = min(block_dv or block_d, block_d)
     # Halves of at least 32 columns (a tl.dot reduction of 16 or more per MMA k-step pair), and

@@ -357,7 +357,7 @@ def test_kv_halves_needs_all_value_columns():
 
 @pytest.mark.parametrize("fp8_rows, tokens, want", [
     (False, 1, (16, 512, 64, 4, 2, True, True)),  # bf16 rows, one wave: 16 heads, 64-row tiles; 83,968 B
-    (False, 4, (32, 512, 64, 4, 2, True, True)),  # bf16 rows, four waves at 16 heads: 32 heads a program
+    (False, 4, (32, 512, 32, 4, 2, True, True)),  # bf16 rows, four waves at 16 heads: 32 heads, 32-row tiles
     (True, 4, (16, 512, 32, 8, 1, False, True)),  # FP8 rows: 1 stage, two halves, 81,920 B, no spills
 ])
 def test_pick_config_at_real_size(monkeypatch, fp8_rows, tokens, want):
