@@ -66,6 +66,14 @@ def require(cond: bool, reason: str) -> None:
         raise Decline(reason)
 
 
+def require_few_rows(mm: Node, max_rows: int) -> None:
+    """Decline an mm whose row count is symbolic or above `max_rows` (a GEMM library then has enough
+    output tiles)."""
+    rows, _ = shape(mm.args[0])
+    require(isinstance(rows, int), "sizes are symbolic")
+    require(rows <= max_rows, f"{rows} rows > {max_rows}: enough output tiles for a GEMM")
+
+
 def accepted_mms(graph: Graph, report, pass_name: str, is_candidate, check) -> list[Node]:
     """The aten.mm nodes of `graph` that `is_candidate` picks and `check` accepts. Each candidate is
     recorded under `pass_name`: declined with the reason `check` raises (Decline), or matched as

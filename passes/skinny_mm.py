@@ -19,7 +19,7 @@ import logging
 import torch
 from torch.fx import Graph, Node
 
-from .fx_match import accepted_mms, aten, replace_with_mul_sum, require, shape, val
+from .fx_match import accepted_mms, aten, replace_with_mul_sum, require_few_rows, val
 
 PASS_NAME = "skinny_mm"
 MAX_COLUMNS = 32
@@ -34,10 +34,7 @@ def _static(sizes: tuple) -> bool:
 
 
 def _check(mm: Node) -> None:
-    a, b = mm.args
-    rows, _ = shape(a)
-    require(isinstance(rows, int), "sizes are symbolic")
-    require(rows <= MAX_ROWS, f"{rows} rows > {MAX_ROWS}: enough output tiles for a GEMM")
+    require_few_rows(mm, MAX_ROWS)
 
 
 def _is_candidate(node: Node) -> bool:

@@ -23,7 +23,7 @@ from torch.fx import Graph, Node
 from dsv4_compile.kernels._runtime import triton_runs_on
 from dsv4_compile.kernels.weight_stream_mm import DTYPES, MAX_ROWS
 
-from .fx_match import accepted_mms, aten, call, require, shape, val
+from .fx_match import accepted_mms, aten, call, require, require_few_rows, shape, val
 
 PASS_NAME = "weight_stream_mm"
 MIN_WEIGHT_BYTES = 256 << 20
@@ -46,10 +46,8 @@ def _is_candidate(node: Node) -> bool:
 
 
 def _check(mm: Node) -> None:
-    a, b = mm.args
-    rows, _ = shape(a)
-    require(isinstance(rows, int), "sizes are symbolic")
-    require(rows <= MAX_ROWS, f"{rows} rows > {MAX_ROWS}: enough output tiles for a GEMM")
+    require_few_rows(mm, MAX_ROWS)
+    b = mm.args[1]
     depth, _ = shape(b)
     require(tuple(val(b).stride()) == (1, depth),
             f"the weight operand has strides {tuple(val(b).stride())}, not the transpose of a row-major [N, K] weight")
