@@ -334,10 +334,11 @@ def _dot(block_m, block_n, block_k, warps, stages):
     return moe.TileConfig("dot", block_m, block_n, block_k, num_warps=warps, num_stages=stages)
 
 
-def _mma(block_m, block_n, block_k, warps, stages, prefetch=False, down=(0, 0), asm=False, caps=(0, 0)):
+def _mma(block_m, block_n, block_k, warps, stages, prefetch=False, down=(0, 0), asm=False, caps=(0, 0), splits=1,
+         direct=False):
     return moe.TileConfig("mma", block_m, block_n, block_k, num_warps=warps, num_stages=stages, prefetch=prefetch,
                           down_block_n=down[0], down_num_warps=down[1], scale_asm=asm, max_regs=caps[0],
-                          down_max_regs=caps[1])
+                          down_max_regs=caps[1], k_splits=splits, direct_blocks=direct)
 
 
 # Candidates per M at V4-Flash sizes (E=256, k=6); the table marks the default (`choose_config`). M=1
@@ -354,13 +355,17 @@ def _mma(block_m, block_n, block_k, warps, stages, prefetch=False, down=(0, 0), 
 # before the thirteenth session timed each candidate in its own block of replays, which favoured
 # whichever heavy case ran first by 3-6%; the sweep now times them paired (`paired_times`), and the
 # step-level check of a close call is bench/paired_step.py.
-# At M=1 each program's K loop is a chain of dependent loads: 256-column steps halve its length.
-_DECODE = [_gemv(1, 16, 512, 4, True), _mma(8, 32, 128, 1, 1, True), _mma(8, 16, 128, 1, 1, True),
-           _mma(8, 16, 128, 1, 1, True, asm=True), _mma(8, 16, 128, 1, 1, True, down=(64, 2)),
-           _mma(8, 16, 256, 1, 1, True), _mma(8, 16, 128, 1, 1, True, caps=(112, 96))]
+# At M=1 each program's K loop is a chain of dependent loads and decodes on one warp, with few warps an
+# SM: `splits` (TileConfig.k_splits) shares gate/up's reduction among more programs (2, the default,
+# gained 5%; 4 and 8 less).
+_TOKEN = [_mma(8, 16, 128, 1, 1, True, splits=2), _mma(8, 16, 128, 1, 1, True), _mma(8, 16, 128, 1, 1, True, splits=4),
+          _mma(8, 16, 128, 1, 1, True, splits=2, direct=True), _mma(8, 16, 128, 1, 1, True, direct=True),
+          _mma(8, 16, 128, 1, 1, True, splits=4, direct=True), _mma(8, 16, 256, 1, 1, True, splits=2, direct=True)]
+_SMALL = [_mma(8, 16, 128, 1, 1, True, down=(128, 4)), _mma(8, 16, 128, 1, 1, True, down=(128, 4), splits=2),
+          _mma(8, 16, 128, 1, 1, True, down=(64, 2))]
 SWEEP_CANDIDATES = {
-    1: _DECODE,
-    8: _DECODE,
+    1: _TOKEN,
+    8: _SMALL,
     64: [_mma(8, 32, 128, 1, 1, True, asm=True, caps=(160, 112)), _mma(8, 32, 128, 1, 1, True, asm=True),
          _mma(8, 16, 128, 1, 1, True, down=(64, 2), asm=True),
          _mma(8, 32, 128, 1, 1, True), _mma(8, 32, 64, 1, 1, True),
@@ -439,6 +444,12 @@ def _down_cell(config: dict) -> str:
     return f"{down_n} x {down_warps}"
 
 
+def _splits_cell(config: dict) -> str:
+    """gate/up's K splits where the config splits, and 'direct' for one block a pair (no grouping kernels)."""
+    cells = ([str(config["k_splits"])] if config["k_splits"] > 1 else []) + (["direct"] if config["direct_blocks"] else [])
+    return ", ".join(cells)
+
+
 def _caps_cell(config: dict) -> str:
     """Register caps (gate/up / down, '-' for the compiler's choice) where the config sets one."""
     caps = (config["max_regs"], config["down_max_regs"])
@@ -449,9 +460,9 @@ def sweep_markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"# fp4_moe tile sweep ({meta['date']}, torch {meta['torch']}, triton {meta['triton']}, {meta['device']})",
              "", f"command: `{meta['command']}`", "",
              "| fmt | M | path | BM | BN | BK | warps | stages | prefetch | down BN x warps | asm scales "
-             "| register caps | default | ok (rel err) | graph ms | paired vs reference ms (quartiles) | HBM frac "
-             "| shared B |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| register caps | K splits, blocks | default | ok (rel err) | graph ms | paired vs reference ms (quartiles) "
+             "| HBM frac | shared B |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         c = r["config"]
         ok = f"{r['correct']} ({r['max_err_rel']:.1e})" if "max_err_rel" in r else f"False ({r.get('error', '')[:60]})"
@@ -464,7 +475,7 @@ def sweep_markdown(rows: list[dict], meta: dict) -> str:
         shared = ",".join(str(v) for v in r.get("shared", [])) or "cached"
         lines.append(f"| {r['fmt']} | {r['M']} | {c['path']} | {c['block_m']} | {c['block_n']} | {c['block_k']} "
                      f"| {c['num_warps']} | {c['num_stages']} | {'yes' if c['prefetch'] else ''} "
-                     f"| {_down_cell(c)} | {'yes' if c['scale_asm'] else ''} | {_caps_cell(c)} "
+                     f"| {_down_cell(c)} | {'yes' if c['scale_asm'] else ''} | {_caps_cell(c)} | {_splits_cell(c)} "
                      f"| {'*' if r['default'] else ''} | {ok} "
                      f"| {ms} | {paired} | {frac} | {shared} |")
     lines += ["", "graph ms: median of the paired rounds; paired: the median (and quartiles) of the round-by-round "
@@ -502,6 +513,7 @@ def main() -> None:
     parser.add_argument("--formats", default="mxfp4,nvfp4")
     parser.add_argument("--sweep", action="store_true", help="time each candidate tile config (SWEEP_CANDIDATES)")
     parser.add_argument("--rounds", type=int, default=None, help="--sweep's paired rounds (default 100, smoke 1)")
+    parser.add_argument("--ms", default=None, help="comma list of M (tokens) to run, a subset of the defaults")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
@@ -520,6 +532,11 @@ def main() -> None:
         device = "cuda"
         if not torch.cuda.is_available():
             raise SystemExit("needs CUDA (or --smoke with TRITON_INTERPRET=1)")
+    if args.ms:
+        chosen = tuple(int(m) for m in args.ms.split(","))
+        if not set(chosen) <= set(cfg["Ms"]):
+            parser.error(f"--ms takes values of {cfg['Ms']}; got {chosen}")
+        cfg["Ms"] = chosen
     timer = make_timer(args.smoke)
     if args.sweep:
         import triton

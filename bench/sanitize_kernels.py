@@ -125,10 +125,17 @@ FORCED_CONFIGS = {
                                          down_block_n=64, down_num_warps=2),
     "mma_scale_asm": fp4_moe.TileConfig("mma", 8, 16, 256, num_warps=1, num_stages=1, prefetch=True,
                                         down_block_n=64, down_num_warps=2, scale_asm=True),
+    # split-K gate/up (f32 partial sums over 8 K ranges, finished by the SwiGLU kernel; the default
+    # for one token's choices splits in 2)
+    "mma_split": fp4_moe.TileConfig("mma", 8, 16, 128, num_warps=1, num_stages=1, prefetch=True,
+                                    down_block_n=128, down_num_warps=4, k_splits=8),
+    # one block a pair, read from the ids (-1 ids, and at M=64 every pair on one expert)
+    "mma_direct": fp4_moe.TileConfig("mma", 8, 16, 128, num_warps=1, num_stages=1, prefetch=True, k_splits=2,
+                                     direct_blocks=True),
 }
 # On the tiled experts optimize() gives the model (dsv4_compile.fp4_tiles): the default launch and one
 # config of each path (the dot path's prefill tile among them), whose loads all address tiles.
-TILED_FORCED = ("prefetch", "mma_prefetch", "mma_down_shape", "mma_scale_asm", "dot64")
+TILED_FORCED = ("prefetch", "mma_prefetch", "mma_down_shape", "mma_scale_asm", "mma_split", "mma_direct", "dot64")
 
 
 def fp4_moe_cases(gen: torch.Generator) -> None:

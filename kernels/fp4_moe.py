@@ -7,9 +7,11 @@ Launch (capture-safe: static shapes, no host syncs):
 1. The M*k (token, choice) pairs are grouped by expert (`expert_blocks`, two small Triton kernels);
    each expert's pairs are cut into blocks of BLOCK_M rows. At most min(E, M*k) + floor((M*k -
    min(E, M*k)) / BLOCK_M) blocks exist (`block_bound`), so the grid is that static bound and surplus
-   blocks exit at once.
+   blocks exit at once. For one decode token's choices (TileConfig.direct_blocks) each pair is its
+   own block, read from the ids, and this step launches nothing.
 2. `_gate_up_kernel`: per (block, I tile): x rows @ dequant(W13 gate/up tile)^T, clamped
-   SwiGLU -> hidden [M*k, I] in sorted-pair order.
+   SwiGLU -> hidden [M*k, I] in sorted-pair order. With TileConfig.k_splits the mma kernel splits
+   the K reduction over programs and `_swiglu_partials_kernel` sums the splits and applies SwiGLU.
 3. `_down_kernel`: per (block, K tile): hidden rows @ dequant(W2 tile)^T times the routing
    weight -> per-pair outputs [M*k, K] f32 at the pair's own index.
 4. out[m] = sum over the valid choices of m (kernels/moe_pairs.py: `combine_pairs`, the torch form
@@ -807,6 +809,31 @@ def _mma_act_operand(raw, zero, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, KP
 
 
 @triton.jit
+def _block_rows(block, block_expert_ptr, block_start_ptr, block_end_ptr, BLOCK_M: tl.constexpr,
+                DIRECT: tl.constexpr):
+    """(expert id, rows [BLOCK_M], row mask) of expert block `block` of the table (`expert_blocks`), or
+    with DIRECT of pair `block` alone (one block a pair; block_expert_ptr then points at the flat ids,
+    which may be -1 or >= E)."""
+    expert = tl.load(block_expert_ptr + block)
+    if DIRECT:
+        start = block
+        end = block + 1
+    else:
+        start = tl.load(block_start_ptr + block)
+        end = tl.load(block_end_ptr + block)
+    rows = start + tl.arange(0, BLOCK_M)
+    return expert, rows, rows < end
+
+
+@triton.jit
+def _pair_of(order_ptr, rows, row_mask, DIRECT: tl.constexpr):
+    """The pair index of each row: `order` of the block table, or the row itself with DIRECT."""
+    if DIRECT:
+        return rows
+    return tl.load(order_ptr + rows, mask=row_mask, other=0)
+
+
+@triton.jit
 def _gate_up_mma_loads(x_ptr, token, row_mask, w_base, s_base, u_base, us_base, col0, k0, live,
                        stride_x, stride_wn, stride_sn, I: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, NUM_WARPS: tl.constexpr, PACKED: tl.constexpr, TILED: tl.constexpr,
@@ -843,6 +870,7 @@ def _gate_up_mma_kernel(
     E,
     stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h,
     LIMIT,
+    part_ptr, stride_ps, stride_pr,
     K: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
     HAS_LIMIT: tl.constexpr, IS_MX: tl.constexpr, GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -850,43 +878,50 @@ def _gate_up_mma_kernel(
     COMPILED: tl.constexpr,
     TILED: tl.constexpr,
     SCALE_ASM: tl.constexpr,
+    K_SPLITS: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):
     """x [M, K] (int32 pairs where PACKED), w13 / scales as int32 words -> hidden [M*k, I] (rows in
-    sorted-pair order)."""
-    block = tl.program_id(1)
-    expert = tl.load(block_expert_ptr + block)
-    if expert >= E:
+    sorted-pair order, or pair order with DIRECT). With K_SPLITS > 1, program_id(2) sums K / K_SPLITS
+    of the reduction and stores its gate and up sums, f32, at part[split, row, :I] and [I:]
+    (`_swiglu_partials_kernel` finishes them)."""
+    expert, rows, row_mask = _block_rows(tl.program_id(1), block_expert_ptr, block_start_ptr, block_end_ptr,
+                                         BLOCK_M, DIRECT)
+    if (expert < 0) | (expert >= E):
         return
-    start = tl.load(block_start_ptr + block)
-    end = tl.load(block_end_ptr + block)
-    rows = start + tl.arange(0, BLOCK_M)
-    row_mask = rows < end
-    token = tl.load(order_ptr + rows, mask=row_mask, other=0) // TOP_K
+    token = _pair_of(order_ptr, rows, row_mask, DIRECT) // TOP_K
     col0 = tl.program_id(0) * BLOCK_N
     w_base = w13_ptr + expert.to(tl.int64) * stride_we
     s_base = s13_ptr + expert.to(tl.int64) * stride_se
     u_base, us_base = w_base + I * stride_wn, s_base + I * stride_sn
     acc_gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    K_SPAN: tl.constexpr = K // K_SPLITS
+    if K_SPLITS == 1:
+        k_begin = 0
+    else:
+        k_begin = tl.program_id(2) * K_SPAN
     if PREFETCH:  # two K steps a turn, each loaded a step ahead (see the MMA path comment)
-        xa, ga, gsa, ua, usa = _gate_up_mma_loads(x_ptr, token, row_mask, w_base, s_base, u_base, us_base, col0, 0,
-                                                  True, stride_x, stride_wn, stride_sn, I, GROUP, BLOCK_N,
+        xa, ga, gsa, ua, usa = _gate_up_mma_loads(x_ptr, token, row_mask, w_base, s_base, u_base, us_base, col0,
+                                                  k_begin, True, stride_x, stride_wn, stride_sn, I, GROUP, BLOCK_N,
                                                   BLOCK_K, NUM_WARPS, PACKED, TILED, SCALE_ASM)
-        for k0 in range(0, K, 2 * BLOCK_K):
+        for kk in range(0, K_SPAN, 2 * BLOCK_K):
+            k0 = k_begin + kk
             xb, gb, gsb, ub, usb = _gate_up_mma_loads(x_ptr, token, row_mask, w_base, s_base, u_base, us_base, col0,
-                                                      k0 + BLOCK_K, k0 + BLOCK_K < K, stride_x, stride_wn,
+                                                      k0 + BLOCK_K, kk + BLOCK_K < K_SPAN, stride_x, stride_wn,
                                                       stride_sn, I, GROUP, BLOCK_N, BLOCK_K, NUM_WARPS, PACKED, TILED, SCALE_ASM)
             zero = _cta_zero(COMPILED)
             acc_gate, acc_up = _gate_up_mma_step(acc_gate, acc_up, xa, ga, gsa, ua, usa, k0, zero, IS_MX, GROUP,
                                                  DOT_DTYPE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, KPACK, PACKED)
             xa, ga, gsa, ua, usa = _gate_up_mma_loads(x_ptr, token, row_mask, w_base, s_base, u_base, us_base, col0,
-                                                      k0 + 2 * BLOCK_K, k0 + 2 * BLOCK_K < K, stride_x, stride_wn,
+                                                      k0 + 2 * BLOCK_K, kk + 2 * BLOCK_K < K_SPAN, stride_x, stride_wn,
                                                       stride_sn, I, GROUP, BLOCK_N, BLOCK_K, NUM_WARPS, PACKED, TILED, SCALE_ASM)
             zero = _cta_zero(COMPILED)
             acc_gate, acc_up = _gate_up_mma_step(acc_gate, acc_up, xb, gb, gsb, ub, usb, k0 + BLOCK_K, zero, IS_MX,
                                                  GROUP, DOT_DTYPE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, KPACK, PACKED)
     else:
-        for k0 in range(0, K, BLOCK_K):
+        for kk in range(0, K_SPAN, BLOCK_K):
+            k0 = k_begin + kk
             xa, ga, gsa, ua, usa = _gate_up_mma_loads(x_ptr, token, row_mask, w_base, s_base, u_base, us_base, col0,
                                                       k0, True, stride_x, stride_wn, stride_sn, I, GROUP, BLOCK_N,
                                                       BLOCK_K, NUM_WARPS, PACKED, TILED, SCALE_ASM)
@@ -897,11 +932,42 @@ def _gate_up_mma_kernel(
         fix = fix * tl.load(g13_ptr + expert)
     gate = acc_gate * fix
     up = acc_up * fix
-    act = _swiglu(gate, up, LIMIT, HAS_LIMIT)
     cols = col0 + tl.arange(0, BLOCK_N)
     out_mask = (cols < I)[:, None] & row_mask[None, :]
-    tl.store(hidden_ptr + rows[None, :] * stride_h + cols[:, None], act.to(hidden_ptr.dtype.element_ty),
-             mask=out_mask)
+    if K_SPLITS == 1:
+        act = _swiglu(gate, up, LIMIT, HAS_LIMIT)
+        tl.store(hidden_ptr + rows[None, :] * stride_h + cols[:, None], act.to(hidden_ptr.dtype.element_ty),
+                 mask=out_mask)
+    else:
+        part = part_ptr + tl.program_id(2) * stride_ps + rows[None, :].to(tl.int64) * stride_pr + cols[:, None]
+        tl.store(part, gate, mask=out_mask)
+        tl.store(part + I, up, mask=out_mask)
+
+
+@triton.jit
+def _swiglu_partials_kernel(
+    part_ptr, block_expert_ptr, block_start_ptr, block_end_ptr, hidden_ptr,
+    E, stride_ps, stride_pr, stride_h, LIMIT,
+    I: tl.constexpr, SPLITS: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
+    DIRECT: tl.constexpr,
+):
+    """Split gate/up sums part [SPLITS, M*k, 2I] f32 -> hidden [M*k, I] = clamped SwiGLU of their sums
+    (in split order), for the rows of block program_id(1) (`_block_rows`), columns tile program_id(0)."""
+    expert, rows, row_mask = _block_rows(tl.program_id(1), block_expert_ptr, block_start_ptr, block_end_ptr,
+                                         BLOCK_M, DIRECT)
+    if (expert < 0) | (expert >= E):
+        return
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = row_mask[:, None] & (cols < I)[None, :]
+    offs = rows[:, None].to(tl.int64) * stride_pr + cols[None, :]
+    gate = tl.zeros((BLOCK_M, BLOCK), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK), dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        gate += tl.load(part_ptr + s * stride_ps + offs, mask=mask, other=0.0)
+        up += tl.load(part_ptr + s * stride_ps + offs + I, mask=mask, other=0.0)
+    act = _swiglu(gate, up, LIMIT, HAS_LIMIT)
+    tl.store(hidden_ptr + rows[:, None].to(tl.int64) * stride_h + cols[None, :], act.to(hidden_ptr.dtype.element_ty),
+             mask=mask)
 
 
 @triton.jit
@@ -937,17 +1003,14 @@ def _down_mma_kernel(
     COMPILED: tl.constexpr,
     TILED: tl.constexpr,
     SCALE_ASM: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):
     """hidden [M*k, I] (int32 pairs where PACKED), w2 / scales as int32 words -> weighted pair
-    outputs [M*k, K] f32."""
-    block = tl.program_id(1)
-    expert = tl.load(block_expert_ptr + block)
-    if expert >= E:
+    outputs [M*k, K] f32 (blocks as in `_block_rows`)."""
+    expert, rows, row_mask = _block_rows(tl.program_id(1), block_expert_ptr, block_start_ptr, block_end_ptr,
+                                         BLOCK_M, DIRECT)
+    if (expert < 0) | (expert >= E):
         return
-    start = tl.load(block_start_ptr + block)
-    end = tl.load(block_end_ptr + block)
-    rows = start + tl.arange(0, BLOCK_M)
-    row_mask = rows < end
     col0 = tl.program_id(0) * BLOCK_N
     w_base = w2_ptr + expert.to(tl.int64) * stride_we
     s_base = s2_ptr + expert.to(tl.int64) * stride_se
@@ -974,7 +1037,7 @@ def _down_mma_kernel(
                                          stride_wn, stride_sn, K, GROUP, BLOCK_N, BLOCK_K, NUM_WARPS, PACKED, TILED, SCALE_ASM)
             acc = _down_mma_step(acc, ha, wa, sa, k0, 0, IS_MX, GROUP, DOT_DTYPE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS,
                                  KPACK, PACKED)
-    pair = tl.load(order_ptr + rows, mask=row_mask, other=0)
+    pair = _pair_of(order_ptr, rows, row_mask, DIRECT)
     routing = tl.load(weights_ptr + pair, mask=row_mask, other=0.0) * 2.0**64
     if not IS_MX:
         routing = routing * tl.load(g2_ptr + expert)
@@ -1006,7 +1069,11 @@ class TileConfig:
     the down kernel's own output columns per program and warps. scale_asm (mma path, GPU only): the
     scale words by inline-asm loads (`_mma_load_weights`). max_regs, down_max_regs (GPU only; 0 = the
     compiler's choice): a register cap a thread for the gate/up and the down kernel (Triton's maxnreg),
-    so that more programs fit on an SM.
+    so that more programs fit on an SM. k_splits (mma path): programs that share each gate/up product's
+    K reduction (split-K; their f32 sums are finished by `_swiglu_partials_kernel`), lowered where K has
+    fewer BLOCK_K steps (`_fit_splits`). direct_blocks (mma path): one expert block a (token, choice) pair,
+    in pair order, read from the ids themselves, without `expert_blocks`' grouping kernels (for a decode
+    token's choices, which are distinct experts: an expert chosen twice is read twice).
     """
 
     path: str
@@ -1021,6 +1088,8 @@ class TileConfig:
     scale_asm: bool = False
     max_regs: int = 0
     down_max_regs: int = 0
+    k_splits: int = 1
+    direct_blocks: bool = False
 
     def __post_init__(self):
         if self.path not in ("gemv", "dot", "mma"):
@@ -1053,6 +1122,11 @@ class TileConfig:
         if self.path == "mma" and down_n % (16 * down_warps):
             raise ValueError(f"TileConfig: the down kernel's block_n {down_n} must be a multiple of 16 * its "
                              f"num_warps = {16 * down_warps} for the mma path")
+        if self.k_splits < 1 or self.k_splits & (self.k_splits - 1) or (self.k_splits > 1 and self.path != "mma"):
+            raise ValueError(f"TileConfig.k_splits must be a power of two, above 1 only for the mma path, "
+                             f"got {self.k_splits} for path {self.path!r}")
+        if self.direct_blocks and self.path != "mma":
+            raise ValueError(f"TileConfig.direct_blocks applies to the mma path, got path {self.path!r}")
         if self.prefetch and not (self.path == "gemv" or (self.path == "mma" and self.num_stages == 1)):
             raise ValueError("TileConfig.prefetch applies to the gemv path and to the mma path with num_stages=1 "
                              "(the others pipeline with num_stages)")
@@ -1085,7 +1159,12 @@ class TileConfig:
 # one-warp 16-row down at M=2, 4, 8, 16, 32, MXFP4 -1.8 / -3.8 / -6.0 / -14.3 / -24.7 us, NVFP4 -2.5 /
 # -4.8 / -7.2 / -18.2 / -33.8 (-2 to -5%); but +2.8 / +1.5 us (+5 / +3%) at M=1 (6 pairs), so up to
 # TOKEN_MAX_PAIRS pairs (one decode token's choices; `mma_token`) keep the one-warp down (RESULTS.md
-# "Fifteenth session"; the step itself was not re-timed).
+# "Fifteenth session"; the step itself was not re-timed). `mma_token` splits gate/up's K in two
+# (k_splits) and takes one block a pair straight from the ids (direct_blocks: no grouping kernels, and
+# a decode token's choices are distinct experts). Paired at M=1 against the unsplit table launch: split
+# alone MXFP4 -2.9 us of 56.4, NVFP4 -3.5 of 59.4 (4 and 8 splits less, M=8 none); with direct blocks
+# a further -9.3 / -10.0 us (43.7 / 46.2 us, 0.38 of HBM); the B=1 step -10.2 us of 1,182 (split),
+# then -36.5 of 1,166 (direct; logits bit-equal) (RESULTS.md "Eighteenth session").
 # Beyond 16 pairs per expert (prefill) both formats
 # take 64-row dot blocks. Where FP4
 # tensor cores exist (sm_100+) MXFP4 takes GEMV up to GEMV_MAX_ROWS and the dot path above, which
@@ -1097,7 +1176,8 @@ DENSE_MIN_ROWS = 17
 TOKEN_MAX_PAIRS = 8  # measured: 6 pairs lose with the 128-row down, 12 gain
 DEFAULT_CONFIGS = {
     "gemv": TileConfig("gemv", 1, 16, 512, num_warps=4, prefetch=True),
-    "mma_token": TileConfig("mma", 8, 16, 128, num_warps=1, num_stages=1, prefetch=True),
+    "mma_token": TileConfig("mma", 8, 16, 128, num_warps=1, num_stages=1, prefetch=True, k_splits=2,
+                            direct_blocks=True),
     "mma_small": TileConfig("mma", 8, 16, 128, num_warps=1, num_stages=1, prefetch=True, down_block_n=128,
                             down_num_warps=4),
     "mma": TileConfig("mma", 8, 32, 128, num_warps=1, num_stages=1, prefetch=True, scale_asm=True,
@@ -1146,6 +1226,7 @@ def check_mxfp4_scale_range(**scales: torch.Tensor) -> None:
 
 
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis
+FINISH_BLOCK = 256  # hidden columns per `_swiglu_partials_kernel` program
 
 
 def _row_step(t: torch.Tensor) -> int:
@@ -1165,6 +1246,12 @@ def _fit_block_k(block_k: int, hidden: int, inter: int, group: int) -> int:
     """The largest power of two <= block_k dividing both K and I (both are multiples of `group`)."""
     common = min(hidden & -hidden, inter & -inter)
     return max(min(block_k, common), group)
+
+
+def _fit_splits(splits: int, length: int, block_k: int) -> int:
+    """The largest power of two <= splits dividing length / block_k (each split a whole number of K steps)."""
+    steps = length // block_k
+    return min(splits, steps & -steps)
 
 
 def fp4_moe_pairs_triton(
@@ -1189,12 +1276,15 @@ def fp4_moe_pairs_triton(
     if config is None:
         config = choose_config(pairs, experts, fmt, native_fp4, mma_fits=hidden % 32 == 0 and inter % 32 == 0)
     group = GROUP[fmt]
-    blocks_bound = block_bound(pairs, experts, config.block_m)
+    blocks_bound = pairs if config.direct_blocks else block_bound(pairs, experts, config.block_m)
     if config.path == "mma" and blocks_bound > MAX_GRID_Y:  # the default configs take mma up to 3E blocks
         raise ValueError(f"fp4_moe: config {config} would put {blocks_bound} expert blocks on the grid's second "
                          f"axis (at most {MAX_GRID_Y}); use a dot or gemv config for M*k = {pairs} pairs")
     x = x.contiguous()
-    order, block_expert, block_start, block_end = expert_blocks(topk_ids, experts, config.block_m)
+    if config.direct_blocks:  # one block a pair: the kernels read the ids and need no table
+        order = block_expert = block_start = block_end = topk_ids.reshape(-1).contiguous()
+    else:
+        order, block_expert, block_start, block_end = expert_blocks(topk_ids, experts, config.block_m)
     # The GEMV path keeps its activations in f32: converting bf16 in the K loop costs two
     # instructions per value per thread, comparable to decoding the weights it meets.
     hidden_dtype = torch.float32 if (dot_dtype == tl.float32 or config.path == "gemv") else x.dtype
@@ -1221,7 +1311,8 @@ def fp4_moe_pairs_triton(
         gate_up, down = _gate_up_mma_kernel, _down_mma_kernel
         kpack = _mma_kpack(x, config.block_m, config.block_n, config.num_warps)
         common.update(DOT_DTYPE=dot_dtype, NUM_WARPS=config.num_warps, KPACK=kpack, PREFETCH=config.prefetch,
-                      COMPILED=not interpreted, SCALE_ASM=config.scale_asm and not interpreted)
+                      COMPILED=not interpreted, SCALE_ASM=config.scale_asm and not interpreted,
+                      DIRECT=config.direct_blocks)
         w13, w2 = _as_words(w13), _as_words(w2)
         s13, s2 = _scale_words(s13), _scale_words(s2)
         # bf16 activations travel as int32 words of two values (see `_mma_load_act`).
@@ -1245,18 +1336,35 @@ def fp4_moe_pairs_triton(
     # The mma kernels take the column tile as program_id(0): launch order then runs an expert's
     # tiles together and the empty blocks (at the table's end) last, where their programs only fill
     # the final wave's free slots instead of taking slots in every wave.
-    def grid(columns: int, args: dict) -> tuple[int, int]:
+    def grid(columns: int, args: dict, splits: int = 1) -> tuple[int, ...]:
         tiles = triton.cdiv(columns, args["BLOCK_N"])
-        return (tiles, num_blocks) if config.path == "mma" else (num_blocks, tiles)
+        return (tiles, num_blocks, splits) if config.path == "mma" else (num_blocks, tiles)
 
+    limit = float(swiglu_limit) if swiglu_limit is not None else 0.0
+    k_splits = 1
+    part = hidden_rows  # the split gate/up sums, where K is split
+    if config.path == "mma":
+        k_splits = _fit_splits(config.k_splits, hidden, block_k)
+        gate_up_args.update(K_SPLITS=k_splits)
+        if k_splits > 1:
+            part = torch.empty(k_splits, pairs, 2 * inter, dtype=torch.float32, device=x.device)
     # K, I, k are constexpr: fixed per model, and loop bounds the interpreter (numpy >= 2.4) accepts.
-    gate_up[grid(inter, gate_up_args)](
+    split_args = (part, part.stride(0), part.stride(1)) if config.path == "mma" else ()
+    gate_up[grid(inter, gate_up_args, k_splits)](
         x_in, order, block_expert, block_start, block_end, w13, s13, g13, hidden_rows,
         experts,
         x_in.stride(0), w13.stride(0), _row_step(w13), s13.stride(0), s13.stride(1), hidden_rows.stride(0),
-        float(swiglu_limit) if swiglu_limit is not None else 0.0,
+        limit, *split_args,
         K=hidden, I=inter, TOP_K=top_k, HAS_LIMIT=swiglu_limit is not None, **gate_up_args,
     )
+    if k_splits > 1:
+        finish_block = min(FINISH_BLOCK, triton.next_power_of_2(inter))
+        _swiglu_partials_kernel[(triton.cdiv(inter, finish_block), num_blocks)](
+            part, block_expert, block_start, block_end, hidden_rows,
+            experts, part.stride(0), part.stride(1), hidden_rows.stride(0), limit,
+            I=inter, SPLITS=k_splits, HAS_LIMIT=swiglu_limit is not None, BLOCK_M=config.block_m,
+            BLOCK=finish_block, DIRECT=config.direct_blocks, num_warps=4,
+        )
     down[grid(hidden, down_args)](
         h_in, order, block_expert, block_start, block_end, weights, w2, s2, g2, pair_out,
         experts,

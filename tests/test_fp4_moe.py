@@ -45,6 +45,12 @@ FORCED_CONFIGS = [
     moe.TileConfig("mma", 16, 64, 64, num_stages=2),  # wgmma operand order (KPACK 1)
     moe.TileConfig("mma", 4, 16, 32, num_warps=1),  # mma.sync operand order (KPACK 2), one word per lane
     moe.TileConfig("mma", 8, 16, 32, num_warps=1, prefetch=True),  # two K steps a turn: 1, 2 or 4 steps
+    # split-K: up to 4 gate/up splits (fewer where K has fewer 32-column steps)
+    moe.TileConfig("mma", 8, 16, 32, num_warps=1, prefetch=True, k_splits=4),
+    moe.TileConfig("mma", 4, 16, 32, num_warps=1, k_splits=2),
+    # one block a pair, read from the ids (duplicates and -1 included), split and not
+    moe.TileConfig("mma", 8, 16, 32, num_warps=1, prefetch=True, k_splits=2, direct_blocks=True),
+    moe.TileConfig("mma", 4, 16, 32, num_warps=1, direct_blocks=True),
 ]
 
 
@@ -114,6 +120,36 @@ def test_down_kernel_with_a_shape_of_its_own_matches_reference(fmt, config, tile
     ids, weights = make_routing(tokens, top_k, experts, "skewed", seed=11)
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(12))
     check_pairs_against_reference(x, ids, weights, w, 0.05, config, torch.float32)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("tiled", [False, True])
+def test_split_k_matches_reference_and_repeats_exactly(fmt, tiled):
+    """k_splits: gate/up sums over 4 K ranges finished by `_swiglu_partials_kernel`, with choices on
+    other ranks (-1): every valid pair row is written (NaN-poisoned before), the combined output equals
+    the reference, and a second run gives the same bits (the partials are summed in split order)."""
+    from dsv4_compile.fp4_tiles import tile_fp4
+
+    tokens, experts, top_k, hidden, inter = 5, 3, 2, 128, 128  # the smallest sizes that tile
+    w = make_experts(fmt, experts, hidden, inter, seed=21)
+    if tiled:
+        w = dict(w, w13=tile_fp4(w["w13"]), w2=tile_fp4(w["w2"]))
+    ids, weights = make_routing(tokens, top_k, experts, "random", seed=21)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(22))
+    config = moe.TileConfig("mma", 8, 16, 32, num_warps=1, prefetch=True, k_splits=4)
+    check_pairs_against_reference(x, ids, weights, w, 0.05, config, torch.float32)
+    runs = [moe.fp4_moe_pairs_triton(*_args(x, ids, weights, w, 0.05), config=config) for _ in range(2)]
+    valid = ((ids >= 0) & (ids < experts)).reshape(-1)
+    assert torch.equal(runs[0][valid], runs[1][valid])
+
+
+def test_fit_splits_keeps_whole_k_steps():
+    """Splits are lowered to the largest power of two that cuts the reduction into whole BLOCK_K steps."""
+    assert moe._fit_splits(4, 4096, 128) == 4
+    assert moe._fit_splits(4, 64, 32) == 2
+    assert moe._fit_splits(4, 32, 32) == 1
+    assert moe._fit_splits(8, 96, 32) == 1  # 3 steps
+    assert moe._fit_splits(2, 2048, 128) == 2
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
@@ -314,7 +350,9 @@ def test_size_class_token_boundary(pairs, experts, expected):
      (dict(path="mma", num_warps=1, down_num_warps=3), "down_num_warps"),
      (dict(path="mma", num_warps=1, down_block_n=16, down_num_warps=2), "down kernel"),
      (dict(scale_asm=True), "scale_asm"), (dict(path="dot", block_m=16, scale_asm=True), "scale_asm"),
-     (dict(max_regs=16), "max_regs"), (dict(max_regs=256), "max_regs"), (dict(down_max_regs=-1), "down_max_regs")],
+     (dict(max_regs=16), "max_regs"), (dict(max_regs=256), "max_regs"), (dict(down_max_regs=-1), "down_max_regs"),
+     (dict(k_splits=2), "k_splits"), (dict(path="mma", num_warps=1, k_splits=3), "k_splits"),
+     (dict(path="mma", num_warps=1, k_splits=0), "k_splits"), (dict(direct_blocks=True), "direct_blocks")],
 )
 def test_tile_config_rejects_bad_values(kwargs, match):
     base = dict(path="gemv", block_m=1, block_n=16, block_k=64)

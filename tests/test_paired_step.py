@@ -87,7 +87,7 @@ def test_smoke_run_compiles_each_variant_with_its_configs(tmp_path, monkeypatch)
             raise RuntimeError("this variant does not build")
         return backend_call(self, gm, example_inputs, **kwargs)
     monkeypatch.setattr(Dsv4Backend, "__call__", backend_spy)
-    variants = ("base,gemv:mma_token.path='gemv',"
+    variants = ("base,gemv:mma_token.path='gemv';mma_token.k_splits=1;mma_token.direct_blocks=False,"
                 "broken:mma_token.block_n=32;inductor.benchmark_kernel=True;passes.skinny_mm=False")
     assert module.main(["--smoke", "--out", str(tmp_path), "--variants", variants]) == 0
     assert fp4_moe.DEFAULT_CONFIGS == defaults
