@@ -362,7 +362,8 @@ _TOKEN = [_mma(8, 16, 128, 1, 1, True, splits=2), _mma(8, 16, 128, 1, 1, True), 
           _mma(8, 16, 128, 1, 1, True, splits=2, direct=True), _mma(8, 16, 128, 1, 1, True, direct=True),
           _mma(8, 16, 128, 1, 1, True, splits=4, direct=True), _mma(8, 16, 256, 1, 1, True, splits=2, direct=True)]
 _SMALL = [_mma(8, 16, 128, 1, 1, True, down=(128, 4)), _mma(8, 16, 128, 1, 1, True, down=(128, 4), splits=2),
-          _mma(8, 16, 128, 1, 1, True, down=(64, 2))]
+          _mma(8, 16, 128, 1, 1, True, down=(128, 4), direct=True),
+          _mma(8, 16, 128, 1, 1, True, down=(128, 4), splits=2, direct=True)]
 SWEEP_CANDIDATES = {
     1: _TOKEN,
     8: _SMALL,

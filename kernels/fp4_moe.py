@@ -1164,7 +1164,11 @@ class TileConfig:
 # a decode token's choices are distinct experts). Paired at M=1 against the unsplit table launch: split
 # alone MXFP4 -2.9 us of 56.4, NVFP4 -3.5 of 59.4 (4 and 8 splits less, M=8 none); with direct blocks
 # a further -9.3 / -10.0 us (43.7 / 46.2 us, 0.38 of HBM); the B=1 step -10.2 us of 1,182 (split),
-# then -36.5 of 1,166 (direct; logits bit-equal) (RESULTS.md "Eighteenth session").
+# then -36.5 of 1,166 (direct; logits bit-equal) (RESULTS.md "Eighteenth session"). Direct blocks
+# also won at M=8 (48 pairs over 256 experts, of which a few share an expert and are read twice):
+# MXFP4 -8.1 us of 212.5, NVFP4 -8.9 of 226.8, paired (with gate/up split in two only -4.5 / -7.1), so
+# `mma_few` is `mma_small` with direct blocks up to FEW_MAX_PAIRS pairs while the experts are at
+# least 4x the pairs (a kernel measurement; no step was timed at B=2..8).
 # Beyond 16 pairs per expert (prefill) both formats
 # take 64-row dot blocks. Where FP4
 # tensor cores exist (sm_100+) MXFP4 takes GEMV up to GEMV_MAX_ROWS and the dot path above, which
@@ -1174,10 +1178,13 @@ class TileConfig:
 GEMV_MAX_ROWS = 2
 DENSE_MIN_ROWS = 17
 TOKEN_MAX_PAIRS = 8  # measured: 6 pairs lose with the 128-row down, 12 gain
+FEW_MAX_PAIRS = 48  # measured at 48 (M=8, k=6); above it more pairs share an expert
 DEFAULT_CONFIGS = {
     "gemv": TileConfig("gemv", 1, 16, 512, num_warps=4, prefetch=True),
     "mma_token": TileConfig("mma", 8, 16, 128, num_warps=1, num_stages=1, prefetch=True, k_splits=2,
                             direct_blocks=True),
+    "mma_few": TileConfig("mma", 8, 16, 128, num_warps=1, num_stages=1, prefetch=True, down_block_n=128,
+                          down_num_warps=4, direct_blocks=True),
     "mma_small": TileConfig("mma", 8, 16, 128, num_warps=1, num_stages=1, prefetch=True, down_block_n=128,
                             down_num_warps=4),
     "mma": TileConfig("mma", 8, 32, 128, num_warps=1, num_stages=1, prefetch=True, scale_asm=True,
@@ -1198,7 +1205,9 @@ def size_class(pairs: int, experts: int, fmt: str, native_fp4: bool = False, mma
         return "gemv" if average <= GEMV_MAX_ROWS else "dot16"
     if average > 2:
         return "mma"
-    return "mma_token" if pairs <= TOKEN_MAX_PAIRS else "mma_small"
+    if pairs <= TOKEN_MAX_PAIRS:
+        return "mma_token"
+    return "mma_few" if pairs <= FEW_MAX_PAIRS and 4 * pairs <= experts else "mma_small"
 
 
 def choose_config(pairs: int, experts: int, fmt: str, native_fp4: bool = False,

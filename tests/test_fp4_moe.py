@@ -122,25 +122,24 @@ def test_down_kernel_with_a_shape_of_its_own_matches_reference(fmt, config, tile
     check_pairs_against_reference(x, ids, weights, w, 0.05, config, torch.float32)
 
 
-@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-@pytest.mark.parametrize("tiled", [False, True])
-def test_split_k_matches_reference_and_repeats_exactly(fmt, tiled):
-    """k_splits: gate/up sums over 4 K ranges finished by `_swiglu_partials_kernel`, with choices on
-    other ranks (-1): every valid pair row is written (NaN-poisoned before), the combined output equals
-    the reference, and a second run gives the same bits (the partials are summed in split order)."""
+@pytest.mark.parametrize("fmt, tiled", [("mxfp4", False), ("nvfp4", True)])
+def test_split_k_and_direct_blocks_match_reference(fmt, tiled):
+    """k_splits: gate/up sums over 2 K ranges finished by `_swiglu_partials_kernel`, on table blocks
+    and on one block a pair (direct_blocks), with choices on other ranks (-1) and an expert chosen by
+    two tokens: every valid pair row is written (NaN-poisoned before) and the combined output equals
+    the reference. Row-major and tiled experts (the smallest sizes that tile)."""
     from dsv4_compile.fp4_tiles import tile_fp4
 
-    tokens, experts, top_k, hidden, inter = 5, 3, 2, 128, 128  # the smallest sizes that tile
+    tokens, experts, top_k, hidden, inter = 3, 3, 2, 128, 128
     w = make_experts(fmt, experts, hidden, inter, seed=21)
     if tiled:
         w = dict(w, w13=tile_fp4(w["w13"]), w2=tile_fp4(w["w2"]))
-    ids, weights = make_routing(tokens, top_k, experts, "random", seed=21)
+    ids = torch.tensor([[0, 2], [2, -1], [1, 0]], dtype=torch.int32)
+    weights = torch.rand(tokens, top_k, generator=torch.Generator().manual_seed(21)) + 0.1
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(22))
-    config = moe.TileConfig("mma", 8, 16, 32, num_warps=1, prefetch=True, k_splits=4)
-    check_pairs_against_reference(x, ids, weights, w, 0.05, config, torch.float32)
-    runs = [moe.fp4_moe_pairs_triton(*_args(x, ids, weights, w, 0.05), config=config) for _ in range(2)]
-    valid = ((ids >= 0) & (ids < experts)).reshape(-1)
-    assert torch.equal(runs[0][valid], runs[1][valid])
+    for direct in (False, True):
+        config = moe.TileConfig("mma", 8, 16, 64, num_warps=1, prefetch=True, k_splits=2, direct_blocks=direct)
+        check_pairs_against_reference(x, ids, weights, w, 0.05, config, torch.float32)
 
 
 def test_fit_splits_keeps_whole_k_steps():
@@ -257,7 +256,7 @@ def test_each_path_matches_reference(path_config, fmt):
     check_pairs_against_reference(x, ids, weights, w, 0.5, path_config, torch.float32)
 
 
-@pytest.mark.parametrize("name", ["mma_token", "mma_small", "mma"])
+@pytest.mark.parametrize("name", ["mma_token", "mma_few", "mma_small", "mma"])
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 def test_mma_several_scale_groups_per_lane(fmt, name):
     """The default mma tiles at K = I = their BLOCK_K (128): each quad lane's 4 words span a whole
@@ -306,8 +305,8 @@ def test_all_tokens_on_one_expert(config):
 
 @pytest.mark.parametrize(
     "tokens, mxfp4, nvfp4, mxfp4_native",
-    [(1, "mma_token", "mma_token", "gemv"), (2, "mma_small", "mma_small", "gemv"),
-     (8, "mma_small", "mma_small", "gemv"), (42, "mma_small", "mma_small", "gemv"),
+    [(1, "mma_token", "mma_token", "gemv"), (2, "mma_few", "mma_few", "gemv"),
+     (8, "mma_few", "mma_few", "gemv"), (9, "mma_small", "mma_small", "gemv"), (42, "mma_small", "mma_small", "gemv"),
      (43, "mma_small", "mma_small", "gemv"), (64, "mma_small", "mma_small", "gemv"),
      (85, "mma_small", "mma_small", "gemv"),
      (86, "mma", "mma", "dot16"), (256, "mma", "mma", "dot16"), (682, "mma", "mma", "dot16"),
@@ -316,7 +315,7 @@ def test_all_tokens_on_one_expert(config):
 def test_size_class_rule(tokens, mxfp4, nvfp4, mxfp4_native):
     """V4-Flash (E=256, k=6): decode and verify take the mma path (16 weight rows a program and a
     one-warp down for one token's 6 pairs; 16 for gate/up and 128 rows on 4 warps for down up to two
-    pairs per expert, M <= 85; 32 up to 16 pairs per expert), except MXFP4 on GPUs with FP4 tensor
+    pairs per expert, M <= 85, with one block a pair up to 48 pairs; 32 up to 16 pairs per expert), except MXFP4 on GPUs with FP4 tensor
     cores (GEMV up to 2 pairs, then tl.dot_scaled); prefill takes 64-row dot blocks. NVFP4 never
     uses tl.dot_scaled, so `native` leaves it alone."""
     pairs, experts = tokens * 6, 256
@@ -329,13 +328,16 @@ def test_size_class_rule(tokens, mxfp4, nvfp4, mxfp4_native):
         assert config.path == expected[:3] if expected != "gemv" else config.path == "gemv"
 
 
-@pytest.mark.parametrize("pairs, experts, expected", [(8, 256, "mma_token"), (9, 256, "mma_small"),
+@pytest.mark.parametrize("pairs, experts, expected", [(8, 256, "mma_token"), (9, 256, "mma_few"),
+                                                      (48, 256, "mma_few"), (49, 256, "mma_small"),
+                                                      (9, 35, "mma_small"), (9, 36, "mma_few"),
                                                       (8, 4, "mma_token"), (9, 4, "mma"), (8, 2, "mma"),
                                                       (0, 256, "mma_token")])
 def test_size_class_token_boundary(pairs, experts, expected):
     """One decode token's choices (at most TOKEN_MAX_PAIRS pairs) keep the one-warp down unless the
-    experts are so few that the average is above 2 pairs: then the 32-row class, as before."""
-    assert moe.TOKEN_MAX_PAIRS == 8
+    experts are so few that the average is above 2 pairs: then the 32-row class, as before. Up to
+    FEW_MAX_PAIRS pairs over at least 4x as many experts, one block a pair (`mma_few`)."""
+    assert moe.TOKEN_MAX_PAIRS == 8 and moe.FEW_MAX_PAIRS == 48
     for fmt in ("mxfp4", "nvfp4"):
         assert moe.size_class(pairs, experts, fmt) == expected, fmt
 
