@@ -261,6 +261,31 @@ def _swiglu(gate, up, LIMIT, HAS_LIMIT: tl.constexpr):
 
 
 @triton.jit
+def _block_rows(block, block_expert_ptr, block_start_ptr, block_end_ptr, BLOCK_M: tl.constexpr,
+                DIRECT: tl.constexpr):
+    """(expert id, rows [BLOCK_M], row mask) of expert block `block` of the table (`expert_blocks`), or
+    with DIRECT of pair `block` alone (one block a pair; block_expert_ptr then points at the flat ids,
+    which may be -1 or >= E)."""
+    expert = tl.load(block_expert_ptr + block)
+    if DIRECT:
+        start = block
+        end = block + 1
+    else:
+        start = tl.load(block_start_ptr + block)
+        end = tl.load(block_end_ptr + block)
+    rows = start + tl.arange(0, BLOCK_M)
+    return expert, rows, rows < end
+
+
+@triton.jit
+def _pair_of(order_ptr, rows, row_mask, DIRECT: tl.constexpr):
+    """The pair index of each row: `order` of the block table, or the row itself with DIRECT."""
+    if DIRECT:
+        return rows
+    return tl.load(order_ptr + rows, mask=row_mask, other=0)
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr, order_ptr, block_expert_ptr, block_start_ptr, block_end_ptr,
     w13_ptr, s13_ptr, g13_ptr, hidden_ptr,
@@ -273,15 +298,11 @@ def _gate_up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     TILED: tl.constexpr,
 ):
-    block = tl.program_id(0)
-    expert = tl.load(block_expert_ptr + block)
+    expert, rows, row_mask = _block_rows(tl.program_id(0), block_expert_ptr, block_start_ptr, block_end_ptr,
+                                         BLOCK_M, False)
     if expert >= E:
         return
-    start = tl.load(block_start_ptr + block)
-    end = tl.load(block_end_ptr + block)
-    rows = start + tl.arange(0, BLOCK_M)
-    row_mask = rows < end
-    pair = tl.load(order_ptr + rows, mask=row_mask, other=0)
+    pair = _pair_of(order_ptr, rows, row_mask, False)
     token = pair // TOP_K
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < I
@@ -324,15 +345,11 @@ def _down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     TILED: tl.constexpr,
 ):
-    block = tl.program_id(0)
-    expert = tl.load(block_expert_ptr + block)
+    expert, rows, row_mask = _block_rows(tl.program_id(0), block_expert_ptr, block_start_ptr, block_end_ptr,
+                                         BLOCK_M, False)
     if expert >= E:
         return
-    start = tl.load(block_start_ptr + block)
-    end = tl.load(block_end_ptr + block)
-    rows = start + tl.arange(0, BLOCK_M)
-    row_mask = rows < end
-    pair = tl.load(order_ptr + rows, mask=row_mask, other=0)
+    pair = _pair_of(order_ptr, rows, row_mask, False)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < K
     w_base = w2_ptr + expert.to(tl.int64) * stride_we
@@ -806,31 +823,6 @@ def _mma_act_operand(raw, zero, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, KP
     else:
         vals = tl.permute(vals, (2, 4, 0, 5, 3, 1))  # k (u, c, q, b, a)
     return tl.reshape(vals, (BLOCK_K, BLOCK_M))
-
-
-@triton.jit
-def _block_rows(block, block_expert_ptr, block_start_ptr, block_end_ptr, BLOCK_M: tl.constexpr,
-                DIRECT: tl.constexpr):
-    """(expert id, rows [BLOCK_M], row mask) of expert block `block` of the table (`expert_blocks`), or
-    with DIRECT of pair `block` alone (one block a pair; block_expert_ptr then points at the flat ids,
-    which may be -1 or >= E)."""
-    expert = tl.load(block_expert_ptr + block)
-    if DIRECT:
-        start = block
-        end = block + 1
-    else:
-        start = tl.load(block_start_ptr + block)
-        end = tl.load(block_end_ptr + block)
-    rows = start + tl.arange(0, BLOCK_M)
-    return expert, rows, rows < end
-
-
-@triton.jit
-def _pair_of(order_ptr, rows, row_mask, DIRECT: tl.constexpr):
-    """The pair index of each row: `order` of the block table, or the row itself with DIRECT."""
-    if DIRECT:
-        return rows
-    return tl.load(order_ptr + rows, mask=row_mask, other=0)
 
 
 @triton.jit
@@ -1329,14 +1321,19 @@ def fp4_moe_pairs_triton(
         h_in, h_packed = ((hidden_rows.view(torch.int32), True) if hidden_rows.dtype == torch.bfloat16
                           else (hidden_rows, False))
         down_n, down_warps = config.down_shape()
-        gate_up_extra = dict(PACKED=x_packed)
+        k_splits = _fit_splits(config.k_splits, hidden, block_k)
+        # the split gate/up sums (hidden_rows stands in, unused, without a split)
+        part = (torch.empty(k_splits, pairs, 2 * inter, dtype=torch.float32, device=x.device) if k_splits > 1
+                else hidden_rows)
+        gate_up_extra = dict(PACKED=x_packed, K_SPLITS=k_splits, part_ptr=part, stride_ps=part.stride(0),
+                             stride_pr=part.stride(1))
         down_extra = dict(PACKED=h_packed, BLOCK_N=down_n, NUM_WARPS=down_warps, num_warps=down_warps,
                           KPACK=_mma_kpack(x, config.block_m, down_n, down_warps))
     else:
         gate_up, down = _gate_up_kernel, _down_kernel
         common.update(USE_DOT_SCALED=use_dot_scaled, DOT_DTYPE=dot_dtype)
     if config.path != "mma":
-        x_in, h_in, gate_up_extra, down_extra = x, hidden_rows, {}, {}
+        x_in, h_in, gate_up_extra, down_extra, k_splits = x, hidden_rows, {}, {}, 1
     gate_up_args, down_args = {**common, **gate_up_extra}, {**common, **down_extra}
     gate_up_caps, down_caps = register_caps(config, interpreted)
     gate_up_args.update(gate_up_caps)
@@ -1350,20 +1347,12 @@ def fp4_moe_pairs_triton(
         return (tiles, num_blocks, splits) if config.path == "mma" else (num_blocks, tiles)
 
     limit = float(swiglu_limit) if swiglu_limit is not None else 0.0
-    k_splits = 1
-    part = hidden_rows  # the split gate/up sums, where K is split
-    if config.path == "mma":
-        k_splits = _fit_splits(config.k_splits, hidden, block_k)
-        gate_up_args.update(K_SPLITS=k_splits)
-        if k_splits > 1:
-            part = torch.empty(k_splits, pairs, 2 * inter, dtype=torch.float32, device=x.device)
     # K, I, k are constexpr: fixed per model, and loop bounds the interpreter (numpy >= 2.4) accepts.
-    split_args = (part, part.stride(0), part.stride(1)) if config.path == "mma" else ()
     gate_up[grid(inter, gate_up_args, k_splits)](
         x_in, order, block_expert, block_start, block_end, w13, s13, g13, hidden_rows,
         experts,
         x_in.stride(0), w13.stride(0), _row_step(w13), s13.stride(0), s13.stride(1), hidden_rows.stride(0),
-        limit, *split_args,
+        limit,
         K=hidden, I=inter, TOP_K=top_k, HAS_LIMIT=swiglu_limit is not None, **gate_up_args,
     )
     if k_splits > 1:
