@@ -3,7 +3,7 @@
 Run on the H200: `python bench/bench_indexer.py --out DIR` (about 2-3 minutes).
 Check the script on CPU: `TRITON_INTERPRET=1 python bench/bench_indexer.py --smoke --out DIR`.
 `--sweep` times the op's launch variants (SELECT_CONFIGS: selection chunk, warps and split
-block, fused statistics, scoring register cap) instead, at B=64, contexts 512/128K, T=1/4, fp8;
+block, scoring register cap) instead, at B=64, contexts 512/128K, T=1/4, fp8;
 `--sweep-score` the scoring kernel's launch variants (SCORE_CONFIGS) at B=64, 128K, fp8.
 
 For each batch B, real context (tokens) and query tokens T, at max context 1M (4097 pages of 64
@@ -241,13 +241,12 @@ def main() -> int:
 
 
 # Launch variants of the whole op (keyword arguments of indexer_topk_triton) for --sweep; the
-# first is the current default, the second the defaults before the fused statistics, the page
-# id loaded ahead and the split kernel's blocks.
+# first is the current default, the second the defaults before the page id loaded ahead and the
+# split kernel's blocks.
 SELECT_CONFIGS = (
     dict(),
-    dict(chunk=2048, select_warps=4, split_block=2048, fuse_stats=False, score_max_regs=0,
-         id_ahead=False, score_stages=2),
-    dict(fuse_stats=False),
+    dict(chunk=2048, select_warps=4, split_block=2048, score_max_regs=0, id_ahead=False,
+         score_stages=2),
     dict(score_stages=2),
     dict(score_stages=4),
     dict(score_max_regs=0),
@@ -268,8 +267,7 @@ def _config_name(kw: dict) -> str:
 
 def sweep_select(mod, bench, device, heads, dim, max_pages, topk, smoke) -> str:
     """At B=64, fp8 q and keys, contexts 512/128K x T=1/4: for each SELECT_CONFIGS variant,
-    the whole op and the selection alone (on a fixed score workspace, with that variant's
-    statistics), as CUDA-graph replays, each variant's answer checked against the reference
+    the whole op and the selection alone (on a fixed score workspace), as CUDA-graph replays, each variant's answer checked against the reference
     first; shared memory of every compiled kernel."""
     from dsv4_compile.kernels import topk_select
 
@@ -286,9 +284,7 @@ def sweep_select(mod, bench, device, heads, dim, max_pages, topk, smoke) -> str:
                                  gen)
             scores = reference_scores(inputs, mod)
             lens = inputs[5]
-            stats = torch.empty((batch * tokens, max_pages, 4), dtype=torch.float32,
-                                device=device)
-            workspace, _ = mod.indexer_scores_triton(*inputs, topk, block_stats=stats)
+            workspace, _ = mod.indexer_scores_triton(*inputs, topk)
             byte_us, _ = floors(batch, tokens, heads, dim, lens, topk, inputs[0].element_size())
             for index, kw in enumerate(SELECT_CONFIGS):
                 idx, kernels = mod.indexer_topk_triton(*inputs, topk, **kw)
@@ -304,9 +300,7 @@ def sweep_select(mod, bench, device, heads, dim, max_pages, topk, smoke) -> str:
                                                   topk_select.DEFAULT_SELECT_WARPS),
                                  split_block=kw.get("split_block",
                                                     topk_select.DEFAULT_SPLIT_BLOCK),
-                                 programs=kw.get("select_programs"),
-                                 block_stats=stats if kw.get("fuse_stats",
-                                                             mod.DEFAULT_FUSE_STATS) else None)
+                                 programs=kw.get("select_programs"))
                 op_us = bench(lambda: mod.indexer_topk_triton(*inputs, topk, **kw), graph=True)
                 select_us = bench(lambda: topk_select.select_topk_triton(
                     workspace, lens, topk, out, **select_kw), graph=True)
@@ -316,7 +310,7 @@ def sweep_select(mod, bench, device, heads, dim, max_pages, topk, smoke) -> str:
                 lines.append(f"| {context} | {tokens} | {index}: {_config_name(kw)} | "
                              f"{op_us:.1f} | {select_us:.1f} | {vs_t1:.2f} | {byte_us:.1f} | "
                              f"{err:.1e} |")
-            del inputs, scores, workspace, stats
+            del inputs, scores, workspace
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     smem = ["", "| kernel | first variant | shared B (limit 101376) |", "|---|---|---|"]
@@ -326,18 +320,16 @@ def sweep_select(mod, bench, device, heads, dim, max_pages, topk, smoke) -> str:
 
 
 # Scoring kernel variants for --sweep-score (keyword arguments of indexer_scores_triton, with
-# stats: write the page statistics, mult: splits as a multiple of the default); the first is
+# mult: splits as a multiple of the default); the first is
 # the current default launch, the second the one before page ids loaded ahead. A variant that
 # ptxas cannot build (a register cap below what it needs) is recorded as such.
-_DEFAULT_SCORE = dict(stats=False, max_regs=None, id_ahead=True, num_warps=None, num_stages=3,
-                      mult=1)
+_DEFAULT_SCORE = dict(max_regs=None, id_ahead=True, num_warps=None, num_stages=3, mult=1)
 _SCALE_AHEAD = dict(_DEFAULT_SCORE, scale_ahead=True, pin_ids=True)
 SCORE_CONFIGS = (
     _DEFAULT_SCORE,
-    dict(stats=False, max_regs=0, id_ahead=False, num_warps=None, num_stages=2, mult=1),
+    dict(max_regs=0, id_ahead=False, num_warps=None, num_stages=2, mult=1),
     dict(_DEFAULT_SCORE, id_ahead=False, num_stages=2, max_regs=0),
     dict(_DEFAULT_SCORE, id_ahead=False, num_stages=2),
-    dict(_DEFAULT_SCORE, stats=True),
     dict(_DEFAULT_SCORE, max_regs=0),
     _SCALE_AHEAD,
     dict(_SCALE_AHEAD, pin_ids=False),
@@ -364,11 +356,9 @@ def sweep_score(mod, bench, device, heads, dim, max_pages, topk, smoke) -> str:
         base = mod.default_splits(batch, max_pages, device)
         ref_ws, _ = mod.indexer_scores_triton(*inputs, topk)
         valid = torch.arange(ref_ws.shape[-1], device=device) < lens[..., None]
-        stats = torch.empty((batch * tokens, max_pages, 4), dtype=torch.float32, device=device)
         for config in SCORE_CONFIGS:
             kw = dict(config)
             kw["splits"] = base * kw.pop("mult")
-            kw["block_stats"] = stats if kw.pop("stats") else None
             name = ", ".join(f"{k}={v}" for k, v in config.items())
             try:
                 ws, kernel = mod.indexer_scores_triton(*inputs, topk, **kw)
@@ -383,7 +373,7 @@ def sweep_score(mod, bench, device, heads, dim, max_pages, topk, smoke) -> str:
             us = bench(lambda: mod.indexer_scores_triton(*inputs, topk, **kw), graph=True)
             lines.append(f"| {tokens} | {name} | {us:.1f} | {getattr(kernel, 'n_regs', '-')} | "
                          f"{shared} |")
-        del inputs, ref_ws, stats
+        del inputs, ref_ws
     return "\n".join(lines) + "\n"
 
 

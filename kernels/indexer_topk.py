@@ -9,12 +9,11 @@ Kernels, all on static grids (capture-safe):
      split, split + splits, ... below the request's last NEEDED page, reads each key page once
      and scores it for all T query tokens of the request, writing f32 scores into a workspace
      [B, T, max_pages * 64] only for s < lens[b, t]. A token with lens <= topk needs no score
-     (its answer is every visible slot), so it does not extend the pages read. With
-     `fuse_stats` it also writes each (token, page)'s score statistics (max, min, mean,
-     squared deviation), from which the selection places its bins, skipping its first pass.
+     (its answer is every visible slot), so it does not extend the pages read.
   2. the row top-k of kernels/topk_select.py: each row is split into chunks handled by separate
-     programs (bin histograms, then a compaction of the sure picks and of the threshold bin's
-     candidates), and one program per row finishes the selection among the few candidates.
+     programs (bin histograms over bins placed from a sample of the row, then a compaction of
+     the sure picks and of the threshold bin's candidates), and one program per row finishes
+     the selection among the few candidates.
 Nothing past a request's valid pages is read; the workspace is never cleared.
 """
 from __future__ import annotations
@@ -33,12 +32,8 @@ MIN_HEADS, MAX_HEADS = 4, 128
 MAX_HEAD_DIM = 256
 _Q_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.float32)
 _K_DTYPES = (torch.float8_e4m3fn, torch.bfloat16, torch.float32)
-# Whether the scoring kernel writes each page's score statistics (so the selection skips that
-# pass). Off: on the H200 (B=64, 128K, fp8, bench_indexer.py --sweep) the fused epilogue cost more
-# than the pass it saves: T=1 142 vs 121 us, T=4 374 vs 270 us for the whole op.
-DEFAULT_FUSE_STATS = False
 # Register cap of the scoring kernel with fp8 dots, by its warps (sm_90 cross-compiles, H=64,
-# stats on, 2-3 stages, no spills when capped: T=1 at 4 warps takes 79 uncapped, 72 capped, so
+# 2-3 stages, no spills when capped: T=1 at 4 warps takes 79 uncapped, 72 capped, so
 # 7 programs an SM fit instead of 6; T=4 at 8 warps 150-154 uncapped, 128 capped: 2 instead
 # of 1). bf16 dots spill 200+ B under these caps, so they run uncapped.
 FP8_SCORE_MAX_REGS = {4: 72, 8: 128}
@@ -149,13 +144,11 @@ def _token_lens(lens_ptr, b, t0, T, S_MAX, sl_b, sl_t, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
-def _score_and_store(q_cols, w_cols, keys, scale, ws_ptr, stats_ptr, b, t0, T, page, lens,
-                     S_MAX, N_PAGES,
+def _score_and_store(q_cols, w_cols, keys, scale, ws_ptr, b, t0, T, page, lens, S_MAX,
                      BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, PAGE: tl.constexpr,
-                     HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr, STATS: tl.constexpr):
+                     HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr):
     """Scores of one key page for tokens t0 ... t0 + BLOCK_T - 1, stored where slot < their
-    clamped `lens`; with STATS, also each token's (max, min, mean, squared deviation) of the
-    page's stored scores.
+    clamped `lens`.
 
     Slots are the dot's M dimension and (token, head) its N dimension, so the sum over heads
     reduces along the accumulator's rows (mostly within a thread).
@@ -170,19 +163,6 @@ def _score_and_store(q_cols, w_cols, keys, scale, ws_ptr, stats_ptr, b, t0, T, p
     keep = (t[None, :] < T) & (slot[:, None] < lens[None, :])
     rows = b * T + t
     tl.store(ws_ptr + rows[None, :] * S_MAX + slot[:, None], scores, mask=keep)
-    if STATS:  # the row top-k's first pass, on scores still in registers
-        # One pass (sum and sum of squares): the statistics only place the bins, and a
-        # cancellation error there costs time, never correctness.
-        count = tl.maximum(tl.minimum(lens - page * PAGE, PAGE), 1).to(tl.float32)
-        kept = tl.where(keep, scores, 0.0)
-        mean = tl.sum(kept, axis=0) / count
-        m2 = tl.maximum(tl.sum(kept * kept, axis=0) - count * mean * mean, 0.0)
-        out = stats_ptr + (rows * N_PAGES + page) * 4
-        has = (t < T) & (lens > page * PAGE)
-        tl.store(out, tl.max(tl.where(keep, scores, -float("inf")), axis=0), mask=has)
-        tl.store(out + 1, tl.min(tl.where(keep, scores, float("inf")), axis=0), mask=has)
-        tl.store(out + 2, mean, mask=has)
-        tl.store(out + 3, m2, mask=has)
 
 
 @triton.jit
@@ -206,12 +186,12 @@ def _page_scale(ks_ptr, phys, P, sks_p, sks_s, PAGE: tl.constexpr, HAS_SCALE: tl
 
 @triton.jit
 def _score_page(page, phys, scale, lens0, q_cols, w_cols, q_ptr, w_ptr, k_ptr, ks_ptr,
-                lens_ptr, ws_ptr, stats_ptr, b, T, H, D, P, S_MAX, N_PAGES,
+                lens_ptr, ws_ptr, b, T, H, D, P, S_MAX,
                 sq_b, sq_t, sq_h, sq_d, sw_b, sw_t, sw_h,
                 sk_p, sk_s, sk_d, sks_p, sks_s, sl_b, sl_t,
                 N_TBLOCKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
                 BLOCK_D: tl.constexpr, PAGE: tl.constexpr, HAS_SCALE: tl.constexpr,
-                DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, STATS: tl.constexpr,
+                DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
                 SCALE_LOADED: tl.constexpr):
     """Read logical page `page` (physical id `phys`) of request b once and score it for all
     T tokens (lens0: the first token block's clamped lens); with SCALE_LOADED, `scale` holds
@@ -225,18 +205,18 @@ def _score_page(page, phys, scale, lens0, q_cols, w_cols, q_ptr, w_ptr, k_ptr, k
     if not SCALE_LOADED:
         scale = _page_scale(ks_ptr, phys, P, sks_p, sks_s, PAGE, HAS_SCALE)
     if N_TBLOCKS == 1:
-        _score_and_store(q_cols, w_cols, keys, scale, ws_ptr, stats_ptr, b, 0, T, page,
-                         lens0, S_MAX, N_PAGES, BLOCK_T, BLOCK_H, PAGE,
-                         HAS_SCALE, PRECISION, STATS)
+        _score_and_store(q_cols, w_cols, keys, scale, ws_ptr, b, 0, T, page,
+                         lens0, S_MAX, BLOCK_T, BLOCK_H, PAGE,
+                         HAS_SCALE, PRECISION)
     else:  # many tokens: the page stays on chip while the token blocks reload their queries
         for tb in range(0, N_TBLOCKS):
             qb, wb = _load_query_cols(q_ptr, w_ptr, b, tb * BLOCK_T, T, H, D, sq_b, sq_t,
                                       sq_h, sq_d, sw_b, sw_t, sw_h, BLOCK_T, BLOCK_H,
                                       BLOCK_D, DOT_DTYPE)
             lens = _token_lens(lens_ptr, b, tb * BLOCK_T, T, S_MAX, sl_b, sl_t, BLOCK_T)
-            _score_and_store(qb, wb, keys, scale, ws_ptr, stats_ptr, b, tb * BLOCK_T, T, page,
-                             lens, S_MAX, N_PAGES, BLOCK_T, BLOCK_H, PAGE,
-                             HAS_SCALE, PRECISION, STATS)
+            _score_and_store(qb, wb, keys, scale, ws_ptr, b, tb * BLOCK_T, T, page,
+                             lens, S_MAX, BLOCK_T, BLOCK_H, PAGE,
+                             HAS_SCALE, PRECISION)
 
 
 @triton.jit
@@ -271,11 +251,11 @@ def _ids_ahead(pt_ptr, ks_ptr, b, page, n_pages, SPLITS, P, spt_b, spt_j, sks_p,
 
 @triton.jit
 def _page_turn(page, nxt, nxt2, nxt_scale, lens0, q_cols, w_cols, q_ptr, w_ptr, k_ptr, ks_ptr, pt_ptr,
-               lens_ptr, ws_ptr, stats_ptr, b, n_pages, T, H, D, P, S_MAX, N_PAGES, SPLITS,
+               lens_ptr, ws_ptr, b, n_pages, T, H, D, P, S_MAX, SPLITS,
                sq_b, sq_t, sq_h, sq_d, sw_b, sw_t, sw_h, sk_p, sk_s, sk_d, sks_p, sks_s, spt_b, spt_j,
                sl_b, sl_t, N_TBLOCKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
                BLOCK_D: tl.constexpr, PAGE: tl.constexpr, HAS_SCALE: tl.constexpr, DOT_DTYPE: tl.constexpr,
-               PRECISION: tl.constexpr, STATS: tl.constexpr, ID_AHEAD: tl.constexpr, SCALE_AHEAD: tl.constexpr,
+               PRECISION: tl.constexpr, ID_AHEAD: tl.constexpr, SCALE_AHEAD: tl.constexpr,
                PIN_IDS: tl.constexpr):
     """One step of the scoring loop at logical page `page`: score it and return the next step's
     (nxt, nxt2, nxt_scale) (see `_score_pages_kernel`)."""
@@ -285,11 +265,11 @@ def _page_turn(page, nxt, nxt2, nxt_scale, lens0, q_cols, w_cols, q_ptr, w_ptr, 
     elif not ID_AHEAD:
         phys = _page_id(pt_ptr, b, page, n_pages, spt_b, spt_j)
     _score_page(page, phys, nxt_scale, lens0, q_cols, w_cols, q_ptr, w_ptr, k_ptr,
-                ks_ptr, lens_ptr, ws_ptr, stats_ptr, b, T, H, D, P, S_MAX, N_PAGES,
+                ks_ptr, lens_ptr, ws_ptr, b, T, H, D, P, S_MAX,
                 sq_b, sq_t, sq_h, sq_d, sw_b, sw_t, sw_h,
                 sk_p, sk_s, sk_d, sks_p, sks_s, sl_b, sl_t,
                 N_TBLOCKS, BLOCK_T, BLOCK_H, BLOCK_D, PAGE, HAS_SCALE, DOT_DTYPE,
-                PRECISION, STATS, SCALE_AHEAD)
+                PRECISION, SCALE_AHEAD)
     if SCALE_AHEAD:  # after this page's epilogue, in the registers it freed
         nxt, nxt2, nxt_scale = _ids_ahead(pt_ptr, ks_ptr, b, page, n_pages, SPLITS, P,
                                           spt_b, spt_j, sks_p, sks_s, nxt2, PAGE,
@@ -299,14 +279,14 @@ def _page_turn(page, nxt, nxt2, nxt_scale, lens0, q_cols, w_cols, q_ptr, w_ptr, 
 
 @triton.jit
 def _score_pages_kernel(
-    q_ptr, w_ptr, k_ptr, ks_ptr, pt_ptr, lens_ptr, ws_ptr, stats_ptr,
-    T, H, D, P, S_MAX, N_PAGES, SPLITS, TOPK,
+    q_ptr, w_ptr, k_ptr, ks_ptr, pt_ptr, lens_ptr, ws_ptr,
+    T, H, D, P, S_MAX, SPLITS, TOPK,
     sq_b, sq_t, sq_h, sq_d, sw_b, sw_t, sw_h,
     sk_p, sk_s, sk_d, sks_p, sks_s, spt_b, spt_j, sl_b, sl_t,
     N_TBLOCKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr, PAGE: tl.constexpr, HAS_SCALE: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, FOR_LOOPS: tl.constexpr,
-    STATS: tl.constexpr, ID_AHEAD: tl.constexpr, SCALE_AHEAD: tl.constexpr, PIN_IDS: tl.constexpr,
+    ID_AHEAD: tl.constexpr, SCALE_AHEAD: tl.constexpr, PIN_IDS: tl.constexpr,
 ):
     b = tl.program_id(0)
     split = tl.program_id(1)
@@ -339,19 +319,19 @@ def _score_pages_kernel(
             for page in range(split, n_pages, SPLITS):
                 nxt, nxt2, nxt_scale = _page_turn(
                     page, nxt, nxt2, nxt_scale, lens0, q_cols, w_cols, q_ptr, w_ptr, k_ptr, ks_ptr, pt_ptr,
-                    lens_ptr, ws_ptr, stats_ptr, b, n_pages, T, H, D, P, S_MAX, N_PAGES, SPLITS,
+                    lens_ptr, ws_ptr, b, n_pages, T, H, D, P, S_MAX, SPLITS,
                     sq_b, sq_t, sq_h, sq_d, sw_b, sw_t, sw_h, sk_p, sk_s, sk_d, sks_p, sks_s, spt_b, spt_j,
                     sl_b, sl_t, N_TBLOCKS, BLOCK_T, BLOCK_H, BLOCK_D, PAGE, HAS_SCALE, DOT_DTYPE, PRECISION,
-                    STATS, ID_AHEAD, SCALE_AHEAD, PIN_IDS)
+                    ID_AHEAD, SCALE_AHEAD, PIN_IDS)
         else:  # the interpreter (numpy >= 2.4) cannot take its 1-element tensors as range()
             page = split
             while page < n_pages:
                 nxt, nxt2, nxt_scale = _page_turn(
                     page, nxt, nxt2, nxt_scale, lens0, q_cols, w_cols, q_ptr, w_ptr, k_ptr, ks_ptr, pt_ptr,
-                    lens_ptr, ws_ptr, stats_ptr, b, n_pages, T, H, D, P, S_MAX, N_PAGES, SPLITS,
+                    lens_ptr, ws_ptr, b, n_pages, T, H, D, P, S_MAX, SPLITS,
                     sq_b, sq_t, sq_h, sq_d, sw_b, sw_t, sw_h, sk_p, sk_s, sk_d, sks_p, sks_s, spt_b, spt_j,
                     sl_b, sl_t, N_TBLOCKS, BLOCK_T, BLOCK_H, BLOCK_D, PAGE, HAS_SCALE, DOT_DTYPE, PRECISION,
-                    STATS, ID_AHEAD, SCALE_AHEAD, PIN_IDS)
+                    ID_AHEAD, SCALE_AHEAD, PIN_IDS)
                 page += SPLITS
 
 
@@ -399,7 +379,6 @@ def indexer_scores_triton(
     workspace: torch.Tensor | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    block_stats: torch.Tensor | None = None,
     max_regs: int | None = None,
     id_ahead: bool = DEFAULT_ID_AHEAD,
     scale_ahead: bool = DEFAULT_SCALE_AHEAD,
@@ -413,9 +392,6 @@ def indexer_scores_triton(
     Arguments as `indexer_topk_triton`; `workspace` may be a caller's contiguous
     [B, T, max_pages * 64] f32 tensor; num_warps and num_stages (default FP8_SCORE_STAGES for
     fp8 dots, else 2) override the launch config.
-    `block_stats`, a contiguous [B * T, max_pages, 4] f32 tensor, also receives, for each page
-    read and token, (max, min, mean, squared deviation from the mean) of the scores written on
-    that page (the `block_stats` of kernels/topk_select.py); other entries are left unwritten.
     `max_regs` caps the registers a thread (default FP8_SCORE_MAX_REGS by warps for fp8 dots,
     else none; 0: no cap);
     `id_ahead` loads each next page's id one page ahead; `scale_ahead` each next page's key
@@ -442,14 +418,13 @@ def indexer_scores_triton(
     ks_strides = (k_scale.stride(0), k_scale.stride(1)) if has_scale else (0, 0)
     kernel = _score_pages_kernel[(batch, splits)](
         q, weights, k_cache, ks, page_table, lens, workspace,
-        workspace if block_stats is None else block_stats,  # unused pointer without stats
-        tokens, heads, head_dim, k_cache.shape[0], s_max, max_pages, splits, topk,
+        tokens, heads, head_dim, k_cache.shape[0], s_max, splits, topk,
         *q.stride(), *weights.stride(), *k_cache.stride(), *ks_strides,
         *page_table.stride(), *lens.stride(),
         N_TBLOCKS=triton.cdiv(tokens, block_t), BLOCK_T=block_t, BLOCK_H=block_h,
         BLOCK_D=triton.next_power_of_2(head_dim), PAGE=PAGE_SIZE, HAS_SCALE=has_scale,
         DOT_DTYPE=dot_dtype, PRECISION=precision, FOR_LOOPS=q.is_cuda,
-        STATS=block_stats is not None, ID_AHEAD=id_ahead,
+        ID_AHEAD=id_ahead,
         SCALE_AHEAD=scale_ahead, PIN_IDS=pin_ids and q.is_cuda, num_warps=warps, num_stages=stages,
         maxnreg=max_regs or None,
     )
@@ -472,7 +447,6 @@ def indexer_topk_triton(
     select_warps: int = DEFAULT_SELECT_WARPS,
     split_block: int = DEFAULT_SPLIT_BLOCK,
     select_programs: int | None = None,
-    fuse_stats: bool = DEFAULT_FUSE_STATS,
     score_warps: int | None = None,
     score_stages: int | None = None,
     score_max_regs: int | None = None,
@@ -488,30 +462,23 @@ def indexer_topk_triton(
     (pre-poisoned) contiguous [B, T, max_pages * 64] f32 score buffer; `splits` overrides the
     number of scoring programs per request, `chunk`, `select_warps` and `split_block` the
     selection's slots and warps per program and the split kernel's slots at a time,
-    `select_programs` its programs per row (default `programs_per_row`);
-    `fuse_stats` has the scoring kernel write each page's score statistics for the selection
-    (which then skips its own statistics pass); `score_warps`, `score_stages`,
-    `score_max_regs`, `id_ahead`, `scale_ahead` and `pin_ids` override the scoring kernel's
-    launch config.
+    `select_programs` its programs per row (default `programs_per_row`); `score_warps`,
+    `score_stages`, `score_max_regs`, `id_ahead`, `scale_ahead` and `pin_ids` override the
+    scoring kernel's launch config.
     """
     batch, tokens = q.shape[:2]
     if out is None:
         out = torch.empty((batch, tokens, topk), dtype=torch.int32, device=q.device)
     if batch == 0 or tokens == 0:
         return out, []
-    stats = None
-    if fuse_stats:
-        stats = torch.empty((batch * tokens, page_table.shape[1], 4), dtype=torch.float32,
-                            device=q.device)
     workspace, score = indexer_scores_triton(q, weights, k_cache, k_scale, page_table, lens,
                                              topk, splits=splits, workspace=workspace,
                                              num_warps=score_warps, num_stages=score_stages,
-                                             block_stats=stats, max_regs=score_max_regs,
+                                             max_regs=score_max_regs,
                                              id_ahead=id_ahead, scale_ahead=scale_ahead,
                                              pin_ids=pin_ids)
     select = select_topk_triton(workspace, lens, topk, out, chunk=chunk, num_warps=select_warps,
-                                split_block=split_block, programs=select_programs,
-                                block_stats=stats)
+                                split_block=split_block, programs=select_programs)
     return out, [score, *select]
 
 

@@ -4,27 +4,25 @@ Input: scores [R, S] f32 (row r = b * T + t of the indexer), valid where s < len
 rest is never read. Output: out [R, topk] int32, the slots of a top-`topk` set of the valid
 prefix (order unspecified), -1 past min(len, topk).
 
-Rows with len <= topk take every valid slot (no score is read). Longer rows go through four
-kernels on static grids (capture-safe). The three chunk kernels run `programs` programs per
+Rows with len <= topk take every valid slot (no score is read). Longer rows go through three
+kernels on static grids (capture-safe). The two chunk kernels run `programs` programs per
 row, program p taking chunks p, p + programs, ... of CHUNK slots; chunks at or past the row's
 length are skipped, so the work follows the real length, not the workspace's width.
-  1. `_chunk_stats_kernel`: max, min, mean and squared deviation of each chunk (skipped when
-     the caller passes such statistics per block of 64 slots, as the indexer's scoring kernel
-     can write them).
-  2. `_chunk_hist_kernel`: histogram of each chunk over NUM_BINS equal bins of the row's
-     [min, max] cut to mean -/+ SPREAD standard deviations (bin 0 holds the largest scores;
-     scores beyond the cut land in the end bins).
-  3. `_chunk_split_kernel`: every program sums the row's chunk histograms and finds the
+  1. `_chunk_hist_kernel`: histogram of each chunk over NUM_BINS equal bins that span the
+     [min, max] of SAMPLES evenly spaced scores of the row, cut to their mean -/+ SPREAD
+     standard deviations (bin 0 holds the largest scores; scores beyond land in the end bins).
+     Every program of a row draws the same sample, so all place the bins alike.
+  2. `_chunk_split_kernel`: every program sums the row's chunk histograms and finds the
      threshold bin, the one where the count from the top reaches topk. Scores above it are
      written straight to `out` (at the count of such scores in earlier chunks plus their rank
      within the chunk, `split_block` slots at a time); scores in it are copied, with their
      slots, into a candidate list of at most `cap` per row.
-  4. `_finish_kernel`, one program per row: a radix select (8 bits a pass, `tl.histogram`) of
+  3. `_finish_kernel`, one program per row: a radix select (8 bits a pass, `tl.histogram`) of
      the missing ones among the candidates. When the threshold bin holds more than `cap`
      scores (many ties, or most scores packed in a sliver of the binned range), it runs over
      the whole row instead and writes all of `out` itself: slower, never wrong.
-Only the bin of a score decides where it goes, and kernel 3 bins with the row's (top, scale)
-that kernel 2 stored and the same elementwise code, so their counts agree exactly.
+Only the bin of a score decides where it goes, and kernel 2 bins with the row's (top, scale)
+that kernel 1 stored and the same elementwise code, so their counts agree exactly.
 """
 from __future__ import annotations
 
@@ -37,33 +35,14 @@ DEFAULT_CHUNK = 2048
 # H200 sweep (bench/bench_indexer.py --sweep, B=64, H=64, top-k 512): chunk 2048 with 4 warps was the
 # fastest at 128K (137 vs 149 us with 8 warps) and at ctx 512; at 8K all configs were within 3%.
 DEFAULT_SELECT_WARPS = 4
-SPREAD = 8.0  # the bins stop this many standard deviations from the row's mean
+SPREAD = 8.0  # the bins stop this many standard deviations from the sample's mean
+# Scores a row's bins are placed from: enough for its spread, few enough that the chunk programs'
+# repeated draws (each reads its own copy, 32 bytes of L2 a sample) stay cheap.
+SAMPLES = 512
 # Slots the split kernel handles at a time (bounds its registers; 167 a thread at 2048 slots).
 DEFAULT_SPLIT_BLOCK = 512
-STAT_BLOCK = 64  # slots per block of `block_stats` (one key page of the indexer)
-_STATS_TILE = 256  # blocks whose statistics one load of `_row_grid` reads
 _HIST_TILE = 16  # chunk histograms per [chunks, NUM_BINS] load when a kernel sums them
 _FINISH_BLOCK = 1024
-
-
-def block_stats_reference(scores: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-    """The `block_stats` of `select_topk_triton`: [B * T, ceil(S / 64), 4] f32, for each block
-    of STAT_BLOCK slots holding valid scores (s < lens[b, t]) their (max, min, mean, squared
-    deviation from the mean); NaN for blocks with no valid score (never read).
-    scores [B, T, S] f32, lens [B, T] int32."""
-    batch, tokens, slots = scores.shape
-    n_blocks = triton.cdiv(slots, STAT_BLOCK)
-    padded = torch.nn.functional.pad(scores.double(), (0, n_blocks * STAT_BLOCK - slots))
-    blocks = padded.reshape(batch * tokens, n_blocks, STAT_BLOCK)
-    valid = (torch.arange(n_blocks * STAT_BLOCK, device=scores.device)
-             < lens.reshape(-1, 1).long()).reshape(blocks.shape)
-    count = valid.sum(dim=-1)
-    kept = torch.where(valid, blocks, 0.0)
-    mean = kept.sum(dim=-1) / count.clamp(min=1)
-    m2 = torch.where(valid, (blocks - mean[..., None]) ** 2, 0.0).sum(dim=-1)
-    stats = torch.stack([torch.where(valid, blocks, -torch.inf).amax(dim=-1),
-                         torch.where(valid, blocks, torch.inf).amin(dim=-1), mean, m2], dim=-1)
-    return torch.where((count > 0)[..., None], stats, torch.nan).float()
 
 
 @triton.jit
@@ -75,42 +54,20 @@ def _row_len(lens_ptr, row, T, S_MAX, sl_b, sl_t):
 
 
 @triton.jit
-def _row_grid(stats_ptr, row, n, N_STATS, STAT_SLOTS: tl.constexpr, NUM_BINS: tl.constexpr,
-              SPREAD: tl.constexpr, TILE: tl.constexpr):
-    """(top, scale) of the row's bins, bin(x) = (top - x) * scale, from the statistics
-    (max, min, mean, squared deviation) of its blocks of STAT_SLOTS slots, N_STATS a row.
-
-    The bins span [min, max] of the row, cut to mean -/+ SPREAD standard deviations, so that a
-    few outliers (an attention sink) do not stretch them; scores beyond land in the end bins.
-    """
-    n_stats = (n + STAT_SLOTS - 1) // STAT_SLOTS
-    top = -float("inf")
-    bottom = float("inf")
-    total = 0.0
-    first = 0
-    while first < n_stats:  # while loops: the interpreter cannot range() over its tensors
-        ch = first + tl.arange(0, TILE)
-        ok = ch < n_stats
-        base = stats_ptr + (row * N_STATS + ch) * 4
-        count = tl.where(ok, tl.minimum(n - ch * STAT_SLOTS, STAT_SLOTS), 0).to(tl.float32)
-        top = tl.maximum(top, tl.max(tl.load(base, mask=ok, other=-float("inf")), axis=0))
-        bottom = tl.minimum(bottom, tl.min(tl.load(base + 1, mask=ok, other=float("inf")), axis=0))
-        total += tl.sum(count * tl.load(base + 2, mask=ok, other=0.0), axis=0)
-        first += TILE
-    mean = total / n.to(tl.float32)
-    m2 = 0.0  # Chan et al.'s pairwise combination of the blocks' squared deviations
-    first = 0
-    while first < n_stats:
-        ch = first + tl.arange(0, TILE)
-        ok = ch < n_stats
-        base = stats_ptr + (row * N_STATS + ch) * 4
-        count = tl.where(ok, tl.minimum(n - ch * STAT_SLOTS, STAT_SLOTS), 0).to(tl.float32)
-        dev = tl.load(base + 2, mask=ok, other=0.0) - mean
-        m2 += tl.sum(tl.load(base + 3, mask=ok, other=0.0) + count * dev * dev, axis=0)
-        first += TILE
-    spread = SPREAD * tl.sqrt(m2 / n.to(tl.float32))
-    top = tl.minimum(top, mean + spread)
-    width = top - tl.maximum(bottom, mean - spread)
+def _sampled_grid(ws_ptr, row, n, S_MAX, NUM_BINS: tl.constexpr, SPREAD: tl.constexpr,
+                  SAMPLES: tl.constexpr):
+    """(top, scale) of the row's bins, bin(x) = (top - x) * scale, from SAMPLES evenly spaced
+    scores of its n valid ones (every score when n <= SAMPLES): they span the sample's
+    [min, max] cut to its mean -/+ SPREAD standard deviations, so that a few outliers (an
+    attention sink) do not stretch them. Scores beyond land in the end bins."""
+    i = tl.arange(0, SAMPLES)
+    pos = (i.to(tl.int64) * n) // SAMPLES
+    x = tl.load(ws_ptr + row.to(tl.int64) * S_MAX + pos)
+    mean = tl.sum(x, axis=0) / SAMPLES
+    dev = x - mean
+    spread = SPREAD * tl.sqrt(tl.sum(dev * dev, axis=0) / SAMPLES)
+    top = tl.minimum(tl.max(x, axis=0), mean + spread)
+    width = top - tl.maximum(tl.min(x, axis=0), mean - spread)
     scale = tl.where(width > 0, NUM_BINS / tl.where(width > 0, width, 1.0), 0.0)
     return top, scale
 
@@ -123,38 +80,15 @@ def _score_bin(x, top, scale, NUM_BINS: tl.constexpr):
 
 
 @triton.jit
-def _chunk_stats_kernel(ws_ptr, lens_ptr, stats_ptr, T, S_MAX, N_CHUNKS, PROGRAMS, sl_b, sl_t,
-                        TOPK: tl.constexpr, CHUNK: tl.constexpr):
-    row = tl.program_id(0)
-    n = _row_len(lens_ptr, row, T, S_MAX, sl_b, sl_t)
-    n_chunks = tl.where(n > TOPK, (n + CHUNK - 1) // CHUNK, 0)
-    chunk = tl.program_id(1)
-    while chunk < n_chunks:  # a while loop: the interpreter cannot range() over its tensors
-        offs = chunk * CHUNK + tl.arange(0, CHUNK)
-        valid = offs < n
-        x = tl.load(ws_ptr + row.to(tl.int64) * S_MAX + offs, mask=valid, other=0.0)
-        mean = tl.sum(x, axis=0) / tl.minimum(n - chunk * CHUNK, CHUNK).to(tl.float32)
-        dev = tl.where(valid, x - mean, 0.0)
-        out = stats_ptr + (row * N_CHUNKS + chunk) * 4
-        tl.store(out, tl.max(tl.where(valid, x, -float("inf")), axis=0))
-        tl.store(out + 1, tl.min(tl.where(valid, x, float("inf")), axis=0))
-        tl.store(out + 2, mean)
-        tl.store(out + 3, tl.sum(dev * dev, axis=0))
-        chunk += PROGRAMS
-
-
-@triton.jit
-def _chunk_hist_kernel(ws_ptr, lens_ptr, stats_ptr, hist_ptr, grid_ptr, T, S_MAX, N_CHUNKS,
-                       PROGRAMS, N_STATS, sl_b, sl_t, TOPK: tl.constexpr, CHUNK: tl.constexpr,
-                       NUM_BINS: tl.constexpr, STAT_SLOTS: tl.constexpr, SPREAD: tl.constexpr,
-                       STATS_TILE: tl.constexpr):
+def _chunk_hist_kernel(ws_ptr, lens_ptr, hist_ptr, grid_ptr, T, S_MAX, N_CHUNKS, PROGRAMS,
+                       sl_b, sl_t, TOPK: tl.constexpr, CHUNK: tl.constexpr,
+                       NUM_BINS: tl.constexpr, SPREAD: tl.constexpr, SAMPLES: tl.constexpr):
     row = tl.program_id(0)
     n = _row_len(lens_ptr, row, T, S_MAX, sl_b, sl_t)
     n_chunks = tl.where(n > TOPK, (n + CHUNK - 1) // CHUNK, 0)
     chunk = tl.program_id(1)
     if chunk < n_chunks:
-        top, scale = _row_grid(stats_ptr, row, n, N_STATS, STAT_SLOTS, NUM_BINS, SPREAD,
-                               STATS_TILE)
+        top, scale = _sampled_grid(ws_ptr, row, n, S_MAX, NUM_BINS, SPREAD, SAMPLES)
         if chunk == 0:  # the split kernel bins with these very values (its own reductions
             tl.store(grid_ptr + row * 2, top)  # could round the last bit differently)
             tl.store(grid_ptr + row * 2 + 1, scale)
@@ -385,18 +319,14 @@ def programs_per_row(rows: int, n_chunks: int, device: torch.device) -> int:
 def select_topk_triton(scores: torch.Tensor, lens: torch.Tensor, topk: int, out: torch.Tensor,
                        *, chunk: int = DEFAULT_CHUNK, num_warps: int = DEFAULT_SELECT_WARPS,
                        split_block: int = DEFAULT_SPLIT_BLOCK, cap: int | None = None,
-                       programs: int | None = None,
-                       block_stats: torch.Tensor | None = None) -> list:
+                       programs: int | None = None) -> list:
     """Top-`topk` slots of each row of scores [B, T, S] f32 (valid where s < lens[b, t], never
     read elsewhere) into out [B, T, topk] int32 (contiguous); returns the launched kernels.
 
     `chunk` (a power of two >= 16) is the slots per chunk, `num_warps` the warps of the chunk
     kernels, `split_block` (a power of two) the slots the split kernel handles at a time,
     `programs` their programs per row (default `programs_per_row`), `cap` the candidates kept
-    per row (tests force the whole-row fallback with a small one). `block_stats`, when given,
-    is [B * T, ceil(S / 64), 4] f32 contiguous: (max, min, mean, squared deviation from the mean) of
-    the valid scores of each block of 64 slots below the row's length (what the indexer's
-    scoring kernel writes); the statistics kernel is then skipped.
+    per row (tests force the whole-row fallback with a small one).
     """
     batch, tokens, slots = scores.shape
     rows = batch * tokens
@@ -404,10 +334,6 @@ def select_topk_triton(scores: torch.Tensor, lens: torch.Tensor, topk: int, out:
     programs = min(programs or programs_per_row(rows, n_chunks, scores.device), n_chunks)
     cap = cap or candidate_cap(topk)
     dev = scores.device
-    if block_stats is None:
-        stats, stat_slots = torch.empty((rows, n_chunks, 4), dtype=torch.float32, device=dev), chunk
-    else:
-        stats, stat_slots = block_stats, STAT_BLOCK
     hist = torch.empty((rows, n_chunks, NUM_BINS), dtype=torch.int32, device=dev)
     cand = torch.empty((rows, cap), dtype=torch.float32, device=dev)
     cand_slot = torch.empty((rows, cap), dtype=torch.int32, device=dev)
@@ -415,14 +341,9 @@ def select_topk_triton(scores: torch.Tensor, lens: torch.Tensor, topk: int, out:
     meta = torch.empty((rows, 2), dtype=torch.int32, device=dev)
     common = (tokens, slots, n_chunks, programs)
     grid = (rows, programs)
-    kernels = []
-    if block_stats is None:
-        kernels.append(_chunk_stats_kernel[grid](scores, lens, stats, *common, *lens.stride(),
-                                                 TOPK=topk, CHUNK=chunk, num_warps=num_warps))
-    kernels += [
-        _chunk_hist_kernel[grid](scores, lens, stats, hist, bin_grid, *common, stats.shape[1],
-                                 *lens.stride(), TOPK=topk, CHUNK=chunk, NUM_BINS=NUM_BINS,
-                                 STAT_SLOTS=stat_slots, SPREAD=SPREAD, STATS_TILE=_STATS_TILE,
+    return [
+        _chunk_hist_kernel[grid](scores, lens, hist, bin_grid, *common, *lens.stride(), TOPK=topk,
+                                 CHUNK=chunk, NUM_BINS=NUM_BINS, SPREAD=SPREAD, SAMPLES=SAMPLES,
                                  num_warps=num_warps),
         _chunk_split_kernel[grid](scores, lens, bin_grid, hist, out, cand, cand_slot, meta,
                                   *common, cap, *lens.stride(), TOPK=topk, CHUNK=chunk,
@@ -431,4 +352,3 @@ def select_topk_triton(scores: torch.Tensor, lens: torch.Tensor, topk: int, out:
         _finish_kernel[(rows,)](scores, lens, out, cand, cand_slot, meta, tokens, slots, cap,
                                 *lens.stride(), TOPK=topk, BLOCK=_FINISH_BLOCK, num_warps=8),
     ]
-    return kernels
