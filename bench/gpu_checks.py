@@ -61,7 +61,7 @@ def compiled_run(dtype: torch.dtype, device: str) -> dict:
         "acceptance": engine.last_acceptance,
         "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
         "pass_counts": {name: {g: engine.report.count(name, g) for g in ("T=1", "T=4")}
-                        for name in ("indexer", "sparse_mla", "fp4_moe", "hc_sinkhorn")},
+                        for name in ("indexer", "sparse_mla", "fp4_moe", "moe_route", "hc_sinkhorn")},
         "report": engine.report.format().splitlines(),
         "first_generate_s_incl_compile": round(compile_s, 1),
         "generate_ms_per_token_steady": round(steady_ms, 2),

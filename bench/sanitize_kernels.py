@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from bench import bench_fp4_moe, bench_indexer, bench_sparse_mla
-from dsv4_compile.kernels import fp4_moe, hc_sinkhorn, indexer_topk, sparse_mla, weight_stream_mm
+from dsv4_compile.kernels import fp4_moe, hc_sinkhorn, indexer_topk, moe_route, sparse_mla, weight_stream_mm
 from dsv4_compile.kernels.moe_pairs import combine_pairs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -237,9 +237,27 @@ def weight_stream_mm_cases(gen: torch.Generator) -> None:
               f"(max rel err {err:.2e})", flush=True)
 
 
+def moe_route_cases(gen: torch.Generator) -> None:
+    """The top-k router's selection over V4-Flash's 256 experts, top-6, bf16 scores and an f32 bias,
+    at 1, 64 and 257 tokens, with a row of NaN scores (still 6 distinct experts in range)."""
+    for rows in (1, 64, 257):
+        scores = torch.rand(rows, 256, device=DEVICE, generator=gen).to(torch.bfloat16)
+        scores[-1] = float("nan")
+        bias = torch.randn(256, device=DEVICE, generator=gen) * 0.1
+        weights, ids = moe_route.route_topk(scores, bias, 6, 1e-20, 1.5)
+        torch.cuda.synchronize()
+        assert bool(((ids >= 0) & (ids < 256)).all()) and all(row.unique().numel() == 6 for row in ids)
+        if rows > 1:
+            want = moe_route.route_topk_reference(scores[:-1], bias, 6, 1e-20, 1.5)[1]
+            select = scores[:-1].float() + bias
+            got_sel = select.gather(1, ids[:-1]).sort(dim=-1).values
+            assert torch.equal(got_sel, select.gather(1, want).sort(dim=-1).values), "route_topk selection"
+        print(f"route_topk {rows} x 256, top-6: ok", flush=True)
+
+
 CASES = {"indexer": indexer_cases, "sparse_mla": lambda gen: sparse_mla_cases(),
          "fp4_moe": fp4_moe_cases, "large_pools": large_pool_cases, "hc_sinkhorn": hc_sinkhorn_cases,
-         "weight_stream_mm": weight_stream_mm_cases}
+         "weight_stream_mm": weight_stream_mm_cases, "moe_route": moe_route_cases}
 
 
 def main() -> int:

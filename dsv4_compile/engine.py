@@ -119,15 +119,16 @@ class Engine:
 
     def expected_sites(self) -> list[tuple[str, int]]:
         """(pass, layer) sites every compiled graph should have: sparse MLA in each layer, the
-        indexer in each CSA layer, the FP4 MoE in each layer whose experts are FP4, and the mHC
-        Sinkhorn twice in each layer (attention and MoE hyper-connections) when it has at least two
-        rounds (one is left to inductor)."""
+        indexer in each CSA layer, the FP4 MoE in each layer whose experts are FP4, the router's
+        top-k in each layer not routed by hash, and the mHC Sinkhorn twice in each layer (attention
+        and MoE hyper-connections) when it has at least two rounds (one is left to inductor)."""
         enabled = {name.rsplit(".", 1)[-1] for name in self.config.passes}
         sinkhorns = 2 if self.model.config.hc_sinkhorn_iters >= 2 else 0
         sites = []
         for i, layer in enumerate(self.model.model.layers):
             wanted = {"sparse_mla": 1, "indexer": int(layer.self_attn.layer_type == CSA),
-                      "fp4_moe": int(is_fp4(layer.mlp.experts)), "hc_sinkhorn": sinkhorns}
+                      "fp4_moe": int(is_fp4(layer.mlp.experts)), "moe_route": int(not layer.mlp.is_hash),
+                      "hc_sinkhorn": sinkhorns}
             sites += [(name, i) for name, count in wanted.items() if name in enabled for _ in range(count)]
         return sites
 

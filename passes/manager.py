@@ -16,6 +16,7 @@ PASS_MODULES: tuple[str, ...] = (
     "dsv4_compile.passes.indexer",
     "dsv4_compile.passes.sparse_mla",
     "dsv4_compile.passes.fp4_moe",
+    "dsv4_compile.passes.moe_route",
     "dsv4_compile.passes.hc_sinkhorn",
     "dsv4_compile.passes.skinny_mm",
     "dsv4_compile.passes.short_bmm",

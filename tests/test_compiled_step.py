@@ -15,8 +15,10 @@ REL_TOL = 1e-4
 
 LAYERS = 4
 CSA_LAYERS = 2
+TOPK_ROUTED_LAYERS = 3  # the first MoE layer routes by hash
 # hc_sinkhorn: attn_hc and ffn_hc of every layer (the HC head has no Sinkhorn).
-EXPECTED_SITES = {"indexer": CSA_LAYERS, "sparse_mla": LAYERS, "fp4_moe": LAYERS, "hc_sinkhorn": 2 * LAYERS}
+EXPECTED_SITES = {"indexer": CSA_LAYERS, "sparse_mla": LAYERS, "fp4_moe": LAYERS, "moe_route": TOPK_ROUTED_LAYERS,
+                  "hc_sinkhorn": 2 * LAYERS}
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,11 @@
-"""dsv4::moe_route against transformers' DeepseekV4TopKRouter / DeepseekV4HashRouter."""
+"""dsv4::moe_route against transformers' DeepseekV4TopKRouter / DeepseekV4HashRouter, and dsv4::route_topk (the
+Triton kernel of the top-k router's selection) against its reference."""
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dsv4_compile.kernels import moe_route  # noqa: F401  (registers the op)
+from dsv4_compile.kernels import moe_route as route  # (registers the ops)
 
 
 def _config(experts, top_k, hidden):
@@ -78,3 +79,84 @@ def test_bad_input(kwargs, error, match):
     args.update(kwargs)
     with pytest.raises(error, match=match):
         torch.ops.dsv4.moe_route(**args)
+
+
+# --------------------------------------------------------------------------------------------
+# dsv4::route_topk (Triton kernel; the interpreter on CPU) against route_topk_reference
+# --------------------------------------------------------------------------------------------
+_ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+def assert_route_topk(scores, bias, top_k, eps, scaling, weights, ids):
+    """ids: top_k distinct experts in [0, E) whose sums scores + bias (in the model's dtype) are the
+    reference top-k's as a multiset (ties may pick other experts, never other values); weights: the
+    reference formula on those ids in f32, rounded once to scores.dtype. The kernel adds the picked
+    scores in another order than torch, so 2 ulps of the output dtype."""
+    rows, experts = scores.shape
+    assert ids.shape == (rows, top_k) and ids.dtype == torch.int64
+    assert weights.shape == (rows, top_k) and weights.dtype == scores.dtype
+    assert bool(((ids >= 0) & (ids < experts)).all()), ids
+    assert all(row.unique().numel() == top_k for row in ids), ids
+    select = scores + bias
+    want_ids = route.route_topk_reference(scores, bias, top_k, eps, scaling)[1]
+    got_sel = select.gather(1, ids).float().sort(dim=-1).values
+    want_sel = select.gather(1, want_ids).float().sort(dim=-1).values
+    assert torch.equal(got_sel, want_sel)
+    picked = scores.gather(1, ids).float()
+    want_w = picked / (picked.sum(dim=-1, keepdim=True) + eps) * scaling
+    ulp = _ULP[scores.dtype]
+    torch.testing.assert_close(weights.float(), want_w.to(scores.dtype).float(), rtol=2 * ulp, atol=2 * ulp * abs(scaling))
+
+
+@given(st.integers(1, 9), st.integers(1, 300), st.integers(1, 16),
+       st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       st.sampled_from([torch.float32, torch.bfloat16]), st.booleans(), st.integers(0, 2**31 - 1))
+def test_route_topk_kernel_matches_reference(rows, experts, top_k, dtype, bias_dtype, strided, seed):
+    top_k = min(top_k, experts)
+    gen = torch.Generator().manual_seed(seed)
+    # sqrt(softplus) scores are positive; a strided view is a column slice of a wider matrix
+    wide = torch.randn(rows, experts + 3 * strided, generator=gen).abs().to(dtype)
+    scores = wide[:, :experts]
+    bias = (torch.randn(experts, generator=gen) * 0.5).to(bias_dtype)
+    weights = torch.full((rows, top_k), float("nan"), dtype=dtype)  # poisoned: every element is written
+    ids = torch.full((rows, top_k), -7, dtype=torch.int64)
+    route.route_topk_triton(scores, bias, top_k, 1e-20, 1.5, weights=weights, ids=ids)
+    assert_route_topk(scores, bias, top_k, 1e-20, 1.5, weights, ids)
+    w_op, ids_op = torch.ops.dsv4.route_topk(scores, bias, top_k, 1e-20, 1.5)
+    assert_route_topk(scores, bias, top_k, 1e-20, 1.5, w_op, ids_op)
+
+
+def test_route_topk_ties_and_nan_pick_distinct_experts():
+    """All-equal sums pick top_k distinct experts; NaN sums are never picked while finite ones
+    remain, and a row of NaN still gets distinct ids in range."""
+    scores = torch.ones(3, 10)
+    scores[1, :4] = float("nan")
+    scores[2] = float("nan")
+    bias = torch.zeros(10)
+    weights, ids = route.route_topk_triton(scores, bias, 5, 1e-20, 1.0)
+    for row in ids:
+        assert row.unique().numel() == 5 and bool(((row >= 0) & (row < 10)).all())
+    assert bool((ids[1] >= 4).all())
+    torch.testing.assert_close(weights[0], torch.full((5,), 0.2))
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(top_k=0), ValueError, "top_k"),
+    (dict(top_k=17), ValueError, "top_k"),
+    (dict(top_k=9), ValueError, "top_k"),
+    (dict(bias=torch.zeros(7)), ValueError, "bias"),
+    (dict(bias=torch.zeros(8, dtype=torch.float64)), TypeError, "bias"),
+    (dict(scores=torch.zeros(4, 8, dtype=torch.int32)), TypeError, "scores"),
+    (dict(scores=torch.zeros(4, 2, 8)), ValueError, "scores"),
+    (dict(scaling=float("inf")), ValueError, "scaling"),
+])
+def test_route_topk_bad_input(kwargs, error, match):
+    args = dict(scores=torch.rand(4, 8), bias=torch.zeros(8), top_k=2, eps=1e-20, scaling=1.5)
+    args.update(kwargs)
+    with pytest.raises(error, match=match):
+        torch.ops.dsv4.route_topk(**args)
+
+
+def test_route_topk_opcheck():
+    torch.library.opcheck(torch.ops.dsv4.route_topk.default, (torch.rand(5, 12), torch.randn(12), 3, 1e-20, 1.5),
+                          test_utils=("test_schema", "test_faketensor"))
