@@ -256,6 +256,8 @@ SELECT_CONFIGS = (
     dict(chunk=4096, select_warps=8),
     dict(chunk=1024),
     dict(select_programs=16),  # one program per chunk at 128K (2048-slot chunks)
+    dict(select_programs=8),  # each program draws the row's bin sample: fewer draws a row
+    dict(select_programs=4),
     dict(scale_ahead=True),  # scales a page ahead, ids two (first use behind a barrier)
     dict(scale_ahead=True, pin_ids=False),
 )
