@@ -25,7 +25,7 @@ import torch
 from torch.fx import Graph, Node
 
 import dsv4_compile.kernels.moe_route as kernel
-from dsv4_compile.passes.fx_match import Decline, call, is_call, require, shape, topk_dim_largest, val
+from dsv4_compile.passes.fx_match import Decline, call, equal, is_call, require, shape, topk_dim_largest, val
 
 logger = logging.getLogger("dsv4_compile")
 
@@ -48,7 +48,7 @@ def _router_operands(topk: Node) -> tuple[Node, Node] | None:
     if not (isinstance(val(a), torch.Tensor) and isinstance(val(b), torch.Tensor)):
         return None
     for scores, bias in ((a, b), (b, a)):
-        if val(scores).dim() == 2 and val(bias).dim() == 1 and shape(bias)[0] == shape(scores)[1]:
+        if val(scores).dim() == 2 and val(bias).dim() == 1 and equal(shape(bias)[0], shape(scores)[1]):
             return scores, bias
     return None
 
