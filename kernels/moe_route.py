@@ -26,8 +26,8 @@ from dsv4_compile.kernels._runtime import triton_runs_on
 
 MAX_EXPERTS = 1024  # a row of scores stays in one program's registers
 MAX_TOP_K = 16  # the kernel picks the top-k by k passes of a row-wide max
-_SCORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-ROWS_PER_PROGRAM = 4
+SCORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+ROWS_PER_PROGRAM = 4  # rows of scores a program selects for (a [4, E] tile on 4 warps)
 
 
 def _check(hidden, gate_weight, bias, tid2eid, input_ids, top_k):
@@ -175,8 +175,8 @@ def check_route_topk_args(scores, bias, top_k, eps, scaling) -> None:
     for name, t in (("scores", scores), ("bias", bias)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"route_topk: {name} must be a tensor, got {type(t).__name__}")
-        if t.dtype not in _SCORE_DTYPES:
-            raise TypeError(f"route_topk: {name} must be one of {_SCORE_DTYPES}, got {t.dtype}")
+        if t.dtype not in SCORE_DTYPES:
+            raise TypeError(f"route_topk: {name} must be one of {SCORE_DTYPES}, got {t.dtype}")
     if scores.dim() != 2 or not 1 <= scores.shape[1] <= MAX_EXPERTS:
         raise ValueError(f"route_topk: scores must be [M, E] with 1 <= E <= {MAX_EXPERTS}, got {tuple(scores.shape)}")
     if tuple(bias.shape) != (scores.shape[1],) or bias.device != scores.device:

@@ -69,8 +69,8 @@ def _match(topk: Node, scores: Node, bias: Node) -> tuple[Node, Node, int, float
     require(isinstance(k, int) and isinstance(experts, int), "k or the expert count is symbolic")
     require(1 <= k <= min(kernel.MAX_TOP_K, experts), f"k = {k} outside [1, min({kernel.MAX_TOP_K}, E={experts})]")
     require(experts <= kernel.MAX_EXPERTS, f"E = {experts} > {kernel.MAX_EXPERTS}")
-    require(val(scores).dtype in kernel._SCORE_DTYPES and val(bias).dtype in kernel._SCORE_DTYPES,
-            f"scores {val(scores).dtype} / bias {val(bias).dtype} not among {kernel._SCORE_DTYPES}")
+    require(val(scores).dtype in kernel.SCORE_DTYPES and val(bias).dtype in kernel.SCORE_DTYPES,
+            f"scores {val(scores).dtype} / bias {val(bias).dtype} not among {kernel.SCORE_DTYPES}")
     outputs = {user.args[1]: user for user in topk.users if is_call(user, operator.getitem)}
     require(set(outputs) == {1} and len(topk.users) == 1, "the top-k values are read")
     idx = outputs[1]

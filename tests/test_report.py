@@ -23,10 +23,11 @@ def test_unmatched_site_warns_and_strict_raises_also_after_a_cache_hit(model, tm
     with caplog.at_level(logging.WARNING, logger="dsv4_compile"):
         engine.generate([[1, 2, 3]], 2)
     assert engine.expected_sites() == [("sparse_mla", 0), ("hc_sinkhorn", 0), ("hc_sinkhorn", 0), ("sparse_mla", 1),
-                                       ("indexer", 1), ("hc_sinkhorn", 1), ("hc_sinkhorn", 1)]
+                                       ("indexer", 1), ("moe_route", 1), ("hc_sinkhorn", 1), ("hc_sinkhorn", 1)]
     assert [r.matched for r in engine.site_status() if r.pass_name == "hc_sinkhorn"] == [True] * 4
     status = {(r.pass_name, r.layer): r for r in engine.site_status()}
     assert status["sparse_mla", 0].matched and status["sparse_mla", 1].matched
+    assert status["moe_route", 1].matched  # the top-k router (layer 0 routes by hash)
     assert not status["indexer", 1].matched and "topk 4096 > 2048" in status["indexer", 1].reason
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == ["dsv4: indexer not applied at layer 1 in graph T=1: topk 4096 > 2048"]
