@@ -269,8 +269,9 @@ def _config_name(kw: dict) -> str:
 
 def sweep_select(mod, bench, device, heads, dim, max_pages, topk, smoke) -> str:
     """At B=64, fp8 q and keys, contexts 512/128K x T=1/4: for each SELECT_CONFIGS variant,
-    the whole op and the selection alone (on a fixed score workspace), as CUDA-graph replays, each variant's answer checked against the reference
-    first; shared memory of every compiled kernel."""
+    the whole op and the selection alone (on a fixed score workspace), as CUDA-graph replays,
+    each variant's answer checked against the reference first; shared memory of every compiled
+    kernel."""
     from dsv4_compile.kernels import topk_select
 
     batch, contexts = (2, (128, 1000)) if smoke else (64, (512, 131072))

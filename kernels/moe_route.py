@@ -103,9 +103,11 @@ def route_topk_reference(scores: torch.Tensor, bias: torch.Tensor, top_k: int, e
                          scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """scores [M, E] float, bias [E] float -> (weights [M, top_k] scores.dtype, ids [M, top_k]
     int64): ids = topk(scores + bias) (the sum in torch's promoted dtype of the two, as the model
-    adds them), weights = scores[ids] / (sum(scores[ids]) + eps) * scaling, computed in f32 and
-    rounded once."""
-    ids = torch.topk(scores + bias, top_k, dim=-1, sorted=False).indices
+    adds them; a NaN sum ranks below every number, where torch.topk ranks it first), weights =
+    scores[ids] / (sum(scores[ids]) + eps) * scaling, computed in f32 and rounded once."""
+    select = scores + bias
+    select = torch.where(select.isnan(), float("-inf"), select)
+    ids = torch.topk(select, top_k, dim=-1, sorted=False).indices
     picked = scores.gather(1, ids).float()
     weights = picked / (picked.sum(dim=-1, keepdim=True) + eps) * scaling
     return weights.to(scores.dtype), ids
@@ -183,7 +185,8 @@ def check_route_topk_args(scores, bias, top_k, eps, scaling) -> None:
         raise ValueError(f"route_topk: bias must be [E={scores.shape[1]}] on {scores.device}, "
                          f"got {tuple(bias.shape)} on {bias.device}")
     if isinstance(top_k, bool) or not isinstance(top_k, Integral) or not 1 <= top_k <= min(MAX_TOP_K, scores.shape[1]):
-        raise ValueError(f"route_topk: top_k must be an int in [1, min({MAX_TOP_K}, E={scores.shape[1]})], got {top_k!r}")
+        raise ValueError(f"route_topk: top_k must be an int in [1, min({MAX_TOP_K}, E={scores.shape[1]})], "
+                         f"got {top_k!r}")
     for name, value in (("eps", eps), ("scaling", scaling)):
         if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
             raise ValueError(f"route_topk: {name} must be a finite float, got {value!r}")
@@ -197,7 +200,7 @@ def route_topk(scores: torch.Tensor, bias: torch.Tensor, top_k: int, eps: float,
     scores [M, E] f32/bf16/f16 (E <= 1024), bias [E] f32/bf16/f16, 1 <= top_k <= min(16, E),
     eps and scaling finite. Returns (weights [M, top_k] scores.dtype, ids [M, top_k] int64), ids in
     no particular order: `route_topk_reference` (ties between equal sums may pick other experts; a
-    NaN sum is never picked). Static grid, no host syncs (CUDA-graph safe).
+    NaN sum is picked only after every number). Static grid, no host syncs (CUDA-graph safe).
     """
     check_route_topk_args(scores, bias, top_k, eps, scaling)
     if triton_runs_on(scores):

@@ -3,7 +3,7 @@
 Hand-written FX matching on inductor's post-grad graph, of transformers' DeepseekV4TopKRouter
 after its gate GEMM and score function (whatever computes `scores` stays as it is):
 
-    idx = topk(add(scores, bias), k, dim=-1, largest=True)[1]        scores [M, E], bias [E]
+    idx = topk(add(scores, bias), k, dim=-1, largest=True, sorted=False)[1]   scores [M, E], bias [E]
     g = gather(scores, 1, idx)
     weights = mul(div(g, add(sum(g, [-1], keepdim=True), eps)), scaling)   (the mul may be absent)
 
@@ -11,13 +11,15 @@ becomes `weights, ids = route_topk(scores, bias, k, eps, scaling)`: one launch f
 top-k and two pointwise kernels. Other readers of idx (the experts) read ids. A top-k whose input
 is not such an add, or whose sum is not shaped like a router's, is not a candidate and is not
 recorded (the indexer's top-k over slots, for one). A candidate is declined, with the reason
-recorded, when the top-k is not the largest along the last dim, k or E are symbolic or out of the
-op's range, the gather reads another tensor, or an intermediate (the top-k values, the gathered
-scores, their sum) has another reader.
+recorded, when the top-k is not the largest along the last dim or promises sorted ids, k or E are
+symbolic or out of the op's range, eps or the scaling is not a finite constant, the gather reads
+another tensor, or an intermediate (the top-k values, the gathered scores, their sum) has another
+reader.
 """
 from __future__ import annotations
 
 import logging
+import math
 import operator
 from numbers import Real
 
@@ -64,6 +66,8 @@ def _match(topk: Node, scores: Node, bias: Node) -> tuple[Node, Node, int, float
     dim, largest = topk_dim_largest(topk)
     rows, experts = shape(scores)
     require(largest, "the top-k takes the smallest")
+    sort = topk.args[4] if len(topk.args) > 4 else topk.kwargs.get("sorted", True)
+    require(not sort, "the top-k's ids are sorted (the op's are in no particular order)")
     require(dim in (-1, 1), f"the top-k runs along dim {dim}, not the experts")
     k = topk.args[1]
     require(isinstance(k, int) and isinstance(experts, int), "k or the expert count is symbolic")
@@ -86,19 +90,19 @@ def _match(topk: Node, scores: Node, bias: Node) -> tuple[Node, Node, int, float
     total, division = sums[0], divs[0]
     dims = total.args[1] if len(total.args) > 1 else total.kwargs.get("dim")
     keepdim = total.args[2] if len(total.args) > 2 else total.kwargs.get("keepdim", False)
-    require(list(dims) in ([-1], [1]) and keepdim and total.kwargs.get("dtype") is None,
+    require(dims is not None and list(dims) in ([-1], [1]) and keepdim and total.kwargs.get("dtype") is None,
             "the sum is not over the choices with keepdim")
     denominator = _only_user(total, "the sum")
     require(is_call(denominator, *_ADDS) and denominator is division.args[1]
             and denominator.kwargs.get("alpha", 1) == 1, "the sum is not added to eps and divided by")
     eps = [a for a in denominator.args if a is not total]
-    require(len(eps) == 1 and _scalar(eps[0]), "eps is not a constant")
+    require(len(eps) == 1 and _scalar(eps[0]) and math.isfinite(eps[0]), "eps is not a finite constant")
     _only_user(denominator, "sum + eps")
     weights, scaling = division, 1.0
     users = list(division.users)
     if len(users) == 1 and is_call(users[0], aten.mul.Tensor):  # the routed scaling
         factor = [a for a in users[0].args if a is not division]
-        if len(factor) == 1 and _scalar(factor[0]):
+        if len(factor) == 1 and _scalar(factor[0]) and math.isfinite(factor[0]):
             weights, scaling = users[0], float(factor[0])
     require(val(weights).dtype == val(scores).dtype,
             f"the weights are {val(weights).dtype}, the scores {val(scores).dtype}")

@@ -105,7 +105,8 @@ def assert_route_topk(scores, bias, top_k, eps, scaling, weights, ids):
     picked = scores.gather(1, ids).float()
     want_w = picked / (picked.sum(dim=-1, keepdim=True) + eps) * scaling
     ulp = _ULP[scores.dtype]
-    torch.testing.assert_close(weights.float(), want_w.to(scores.dtype).float(), rtol=2 * ulp, atol=2 * ulp * abs(scaling))
+    torch.testing.assert_close(weights.float(), want_w.to(scores.dtype).float(), rtol=2 * ulp,
+                               atol=2 * ulp * abs(scaling))
 
 
 @given(st.integers(1, 9), st.integers(1, 300), st.integers(1, 16),
@@ -117,7 +118,7 @@ def test_route_topk_kernel_matches_reference(rows, experts, top_k, dtype, bias_d
     # sqrt(softplus) scores are positive; a strided view is a column slice of a wider matrix
     wide = torch.randn(rows, experts + 3 * strided, generator=gen).abs().to(dtype)
     scores = wide[:, :experts]
-    bias = (torch.randn(experts, generator=gen) * 0.5).to(bias_dtype)
+    bias = (torch.randn(2 * experts, generator=gen) * 0.5).to(bias_dtype)[::2]  # a strided bias too
     weights = torch.full((rows, top_k), float("nan"), dtype=dtype)  # poisoned: every element is written
     ids = torch.full((rows, top_k), -7, dtype=torch.int64)
     route.route_topk_triton(scores, bias, top_k, 1e-20, 1.5, weights=weights, ids=ids)

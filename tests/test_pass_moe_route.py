@@ -23,7 +23,7 @@ def compile_with_pass(fn):
     return compile_with_probe(fn, route_pass)
 
 
-def router(cls_name, dtype, seed=0):
+def router(cls_name, dtype, seed=0, f32_bias=False):
     from transformers import DeepseekV4Config
     from transformers.models.deepseek_v4 import modeling_deepseek_v4 as modeling
 
@@ -34,7 +34,10 @@ def router(cls_name, dtype, seed=0):
         module.e_score_correction_bias.normal_()
     else:
         module.tid2eid.copy_(torch.stack([torch.randperm(module.num_experts)[:module.top_k] for _ in range(256)]))
-    return module.to(dtype).eval()
+    module = module.to(dtype).eval()
+    if f32_bias:  # as transformers loads the model: the correction bias stays f32
+        module.e_score_correction_bias.data = module.e_score_correction_bias.float()
+    return module
 
 
 def assert_same_routing(got, want, dtype):
@@ -47,10 +50,11 @@ def assert_same_routing(got, want, dtype):
                                rtol=ulp, atol=ulp)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype, f32_bias", [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, False)],
+                         ids=["bf16_f32_bias", "bf16", "f32"])
 @pytest.mark.parametrize("batch, tokens", [(3, 1), (2, 3)], ids=["decode", "verify"])
-def test_topk_router_rewritten_with_the_same_result(dtype, batch, tokens):
-    module = router("DeepseekV4TopKRouter", dtype)
+def test_topk_router_rewritten_with_the_same_result(dtype, f32_bias, batch, tokens):
+    module = router("DeepseekV4TopKRouter", dtype, f32_bias=f32_bias)
     hidden = torch.randn(batch, tokens, TINY_CONFIG["hidden_size"], generator=torch.Generator().manual_seed(3))
     hidden = hidden.to(dtype)
     compiled, report, probe = compile_with_pass(module)
@@ -72,12 +76,15 @@ def test_hash_router_has_no_site():
     torch.testing.assert_close(got[1], want[1])
 
 
-def _router_math(scores, bias, k=2, largest=True, keep_values=False, other=None):
+def _router_math(scores, bias, k=2, largest=True, keep_values=False, other=None, sorted_ids=False, sum_dim=-1,
+                 gathered_read=False):
     """The router after its score function, with one part changed per negative case."""
-    top = torch.topk(scores + bias, k, dim=-1, largest=largest, sorted=False)
-    weights = (scores if other is None else other).gather(1, top.indices)
-    weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    top = torch.topk(scores + bias, k, dim=-1, largest=largest, sorted=sorted_ids)
+    gathered = (scores if other is None else other).gather(1, top.indices)
+    weights = gathered / (gathered.sum(dim=sum_dim, keepdim=True) + 1e-20)
     out = (weights * 1.5, top.indices)
+    if gathered_read:
+        out += (gathered.exp(),)
     return out + (top.values,) if keep_values else out
 
 
@@ -85,7 +92,10 @@ def _router_math(scores, bias, k=2, largest=True, keep_values=False, other=None)
     (dict(largest=False), "smallest"),
     (dict(keep_values=True), "values are read"),
     (dict(k=17), "k = 17 outside"),
-], ids=["smallest", "values_read", "k_too_large"])
+    (dict(sorted_ids=True), "sorted"),
+    (dict(sum_dim=None), "keepdim"),
+    (dict(gathered_read=True), "read by something other"),
+], ids=["smallest", "values_read", "k_too_large", "sorted", "sum_of_all", "gathered_read"])
 def test_router_variants_are_declined_with_the_reason(kwargs, reason):
     experts = 32
     scores = torch.rand(4, experts, generator=torch.Generator().manual_seed(1))
@@ -96,6 +106,24 @@ def test_router_variants_are_declined_with_the_reason(kwargs, reason):
     assert probe.rewrites == 0 and OP not in probe.targets
     assert [r.matched for r in report.records] == [False] and reason in report.records[0].reason, report.format()
     torch.testing.assert_close(got[0], want[0])
+
+
+def test_unscaled_weights_read_twice_are_rewritten_without_the_scaling():
+    """The division feeds two readers: the op takes scaling 1 and both read its weights."""
+    def fn(scores, bias):
+        top = torch.topk(scores + bias, 3, dim=-1, sorted=False)
+        gathered = scores.gather(1, top.indices)
+        weights = gathered / (gathered.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * 2.5, weights.exp(), top.indices
+
+    scores, bias = torch.rand(5, 16), torch.randn(16)
+    compiled, report, probe = compile_with_pass(fn)
+    got, want = compiled(scores, bias), fn(scores, bias)
+    assert probe.rewrites == 1 and OP in probe.targets, report.format()
+    order, want_order = got[2].argsort(dim=-1), want[2].argsort(dim=-1)
+    assert torch.equal(got[2].gather(1, order), want[2].gather(1, want_order))
+    for a, b in zip(got[:2], want[:2]):
+        torch.testing.assert_close(a.gather(1, order), b.gather(1, want_order), rtol=1e-6, atol=1e-6)
 
 
 def test_gather_of_another_tensor_is_declined():

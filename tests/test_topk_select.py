@@ -97,10 +97,19 @@ def test_more_chunks_than_one_tile(kind, cap):
     assert_row_topk(out, scores, lens, 50)
 
 
-def test_a_sample_that_misses_the_top_scores_costs_time_not_correctness():
+def test_a_sample_that_misses_the_top_scores_costs_time_not_correctness(monkeypatch):
     """The bins come from SAMPLES evenly spaced scores. Here every sampled slot holds a low score
     and every other slot a higher one: all of those land in bin 0, which overflows the
-    candidate list, and the whole-row fallback still returns the exact top-k."""
+    candidate list (the split kernel records -1 for the row, in the launcher's last buffer), and
+    the whole-row fallback still returns the exact top-k."""
+    allocated = []
+    empty = torch.empty
+
+    def recording_empty(*args, **kwargs):
+        allocated.append(empty(*args, **kwargs))
+        return allocated[-1]
+
+    monkeypatch.setattr(torch, "empty", recording_empty)
     n, topk = 4 * sel.SAMPLES + 37, 30
     sampled = torch.zeros(n, dtype=torch.bool)
     sampled[(torch.arange(sel.SAMPLES) * n) // sel.SAMPLES] = True
@@ -110,6 +119,7 @@ def test_a_sample_that_misses_the_top_scores_costs_time_not_correctness():
     lens = torch.tensor([[n]], dtype=torch.int32)
     out = torch.full((1, 1, topk), -7, dtype=torch.int32)
     sel.select_topk_triton(scores, lens, topk, out, chunk=512, cap=256)
+    assert allocated[-1][0, 0].item() == -1  # the row's [candidates or -1, sure picks]
     assert_row_topk(out, scores, lens, topk)
 
 
