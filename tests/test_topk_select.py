@@ -48,6 +48,20 @@ def make_scores(kind, shape, gen):
     return x
 
 
+@pytest.fixture
+def allocated(monkeypatch):
+    """Every tensor torch.empty returns during the test, in order (the launcher's buffers)."""
+    tensors = []
+    empty = torch.empty
+
+    def recording_empty(*args, **kwargs):
+        tensors.append(empty(*args, **kwargs))
+        return tensors[-1]
+
+    monkeypatch.setattr(torch, "empty", recording_empty)
+    return tensors
+
+
 @st.composite
 def select_cases(draw):
     batch = draw(st.integers(1, 2))
@@ -97,19 +111,11 @@ def test_more_chunks_than_one_tile(kind, cap):
     assert_row_topk(out, scores, lens, 50)
 
 
-def test_a_sample_that_misses_the_top_scores_costs_time_not_correctness(monkeypatch):
+def test_a_sample_that_misses_the_top_scores_costs_time_not_correctness(allocated):
     """The bins come from SAMPLES evenly spaced scores. Here every sampled slot holds a low score
     and every other slot a higher one: all of those land in bin 0, which overflows the
     candidate list (the split kernel records -1 for the row, in the launcher's last buffer), and
     the whole-row fallback still returns the exact top-k."""
-    allocated = []
-    empty = torch.empty
-
-    def recording_empty(*args, **kwargs):
-        allocated.append(empty(*args, **kwargs))
-        return allocated[-1]
-
-    monkeypatch.setattr(torch, "empty", recording_empty)
     n, topk = 4 * sel.SAMPLES + 37, 30
     sampled = torch.zeros(n, dtype=torch.bool)
     sampled[(torch.arange(sel.SAMPLES) * n) // sel.SAMPLES] = True
@@ -134,21 +140,13 @@ def test_lens_with_strides_and_out_of_range_values():
 
 
 @pytest.mark.parametrize("kind, fits", [("gaussian", True), ("sink", True), ("outlier", False)])
-def test_threshold_bin_is_small_unless_the_spread_overflows(kind, fits, monkeypatch):
+def test_threshold_bin_is_small_unless_the_spread_overflows(kind, fits, allocated):
     """The fast path: a gaussian row, and one with a 50-sigma sink, leave a few dozen
     candidates in the threshold bin (of 1111 scores, topk 50); a 1e30 outlier overflows the
     list and takes the whole-row fallback. Reads the per-row [candidates or -1, sure picks]
     the split kernel records, the last buffer the launcher allocates. The row is longer than
     SAMPLES, so its bins are placed from a sample of it."""
     assert 1111 > sel.SAMPLES
-    allocated = []
-    empty = torch.empty
-
-    def recording_empty(*args, **kwargs):
-        allocated.append(empty(*args, **kwargs))
-        return allocated[-1]
-
-    monkeypatch.setattr(torch, "empty", recording_empty)
     scores = make_scores(kind, (1, 1, 1120), torch.Generator().manual_seed(5))
     lens = torch.tensor([[1111]], dtype=torch.int32)
     out = torch.full((1, 1, 50), -7, dtype=torch.int32)
