@@ -63,13 +63,11 @@ def moe_route_reference(
     """hidden [M, K], gate_weight [E, K], bias [E] f32 | None, tid2eid [V, k] int | None,
     input_ids [M] int | None -> (topk_ids [M, k] int32, topk_weights [M, k] f32). Capture-safe."""
     scores = F.softplus(F.linear(hidden.float(), gate_weight.float())).sqrt()
-    if tid2eid is not None:
-        ids = tid2eid[input_ids.long()].long()
-    elif bias is None:
-        ids = torch.topk(scores, top_k, dim=-1, sorted=False).indices
-    else:
-        weights, ids = route_topk_reference(scores, bias, top_k, 1e-20, routed_scaling)
+    if tid2eid is None:
+        select_bias = scores.new_zeros(scores.shape[1]) if bias is None else bias
+        weights, ids = route_topk_reference(scores, select_bias, top_k, 1e-20, routed_scaling)
         return ids.to(torch.int32), weights
+    ids = tid2eid[input_ids.long()].long()
     weights = scores.gather(1, ids)
     weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return ids.to(torch.int32), weights * routed_scaling

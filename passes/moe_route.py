@@ -37,8 +37,8 @@ aten = torch.ops.aten
 _ADDS = (aten.add.Tensor, aten.add.Scalar)
 
 
-def _scalar(x) -> bool:
-    return isinstance(x, Real) and not isinstance(x, bool)
+def _finite_constant(x) -> bool:
+    return isinstance(x, Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _router_operands(topk: Node) -> tuple[Node, Node] | None:
@@ -64,7 +64,7 @@ def _only_user(node: Node, what: str) -> Node:
 def _match(topk: Node, scores: Node, bias: Node) -> tuple[Node, Node, int, float, float]:
     """(idx, weights node, k, eps, scaling) of a router site; Decline otherwise."""
     dim, largest = topk_dim_largest(topk)
-    rows, experts = shape(scores)
+    experts = shape(scores)[1]
     require(largest, "the top-k takes the smallest")
     sort = topk.args[4] if len(topk.args) > 4 else topk.kwargs.get("sorted", True)
     require(not sort, "the top-k's ids are sorted (the op's are in no particular order)")
@@ -96,13 +96,13 @@ def _match(topk: Node, scores: Node, bias: Node) -> tuple[Node, Node, int, float
     require(is_call(denominator, *_ADDS) and denominator is division.args[1]
             and denominator.kwargs.get("alpha", 1) == 1, "the sum is not added to eps and divided by")
     eps = [a for a in denominator.args if a is not total]
-    require(len(eps) == 1 and _scalar(eps[0]) and math.isfinite(eps[0]), "eps is not a finite constant")
+    require(len(eps) == 1 and _finite_constant(eps[0]), "eps is not a finite constant")
     _only_user(denominator, "sum + eps")
     weights, scaling = division, 1.0
     users = list(division.users)
     if len(users) == 1 and is_call(users[0], aten.mul.Tensor):  # the routed scaling
         factor = [a for a in users[0].args if a is not division]
-        if len(factor) == 1 and _scalar(factor[0]) and math.isfinite(factor[0]):
+        if len(factor) == 1 and _finite_constant(factor[0]):
             weights, scaling = users[0], float(factor[0])
     require(val(weights).dtype == val(scores).dtype,
             f"the weights are {val(weights).dtype}, the scores {val(scores).dtype}")
