@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from bench import bench_fp4_moe, bench_indexer, bench_sparse_mla
-from dsv4_compile.kernels import fp4_moe, hc_sinkhorn, indexer_topk, moe_route, sparse_mla, weight_stream_mm
+from dsv4_compile.kernels import fp4_moe, hc_sinkhorn, indexer_topk, moe_pairs, moe_route, sparse_mla, weight_stream_mm
 from dsv4_compile.kernels.moe_pairs import combine_pairs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -255,7 +255,29 @@ def moe_route_cases(gen: torch.Generator) -> None:
         print(f"route_topk {rows} x 256, top-6: ok", flush=True)
 
 
-CASES = {"indexer": indexer_cases, "sparse_mla": lambda gen: sparse_mla_cases(),
+def moe_pairs_cases(gen: torch.Generator) -> None:
+    """expert_blocks over 256 experts at 6, 384 and 1,536 pairs (one program) and 2,400 (two launches),
+    with ids -1 and 256 mixed in, and with every pair on one expert; checked against the contract."""
+    for pairs in (6, 384, 1536, 2400):
+        for skew in (False, True):
+            ids = torch.randint(-1, 257, (pairs,), device=DEVICE, generator=gen).int()
+            if skew:
+                ids[:] = 7
+            for block_m in (1, 16):
+                order, expert, start, end = moe_pairs.expert_blocks(ids.view(-1, 1), 256, block_m)
+                torch.cuda.synchronize()
+                flat = ids.tolist()
+                rows = 0
+                for e in range(256):
+                    group = sorted(p for p, i in enumerate(flat) if i == e)
+                    assert sorted(order[rows:rows + len(group)].tolist()) == group, f"expert_blocks order, expert {e}"
+                    rows += len(group)
+                real = expert < 256
+                assert int(((end - start)[real].clamp(max=block_m)).sum()) == rows, "expert_blocks blocks"
+                print(f"expert_blocks {pairs} pairs, block_m {block_m}{', one expert' if skew else ''}: ok", flush=True)
+
+
+CASES = {"indexer": indexer_cases, "moe_pairs": moe_pairs_cases, "sparse_mla": lambda gen: sparse_mla_cases(),
          "fp4_moe": fp4_moe_cases, "large_pools": large_pool_cases, "hc_sinkhorn": hc_sinkhorn_cases,
          "weight_stream_mm": weight_stream_mm_cases, "moe_route": moe_route_cases}
 

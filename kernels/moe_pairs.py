@@ -10,13 +10,18 @@ import torch
 import triton
 import triton.language as tl
 
-# expert_blocks in two Triton launches (plus the zeroed counts) instead of a torch.sort and some 30
-# small torch kernels: `_count_pairs_kernel` counts the pairs per expert with atomics, whose returned
-# old counts are each pair's rank within its expert; `_place_pairs_kernel` scans the counts in every
-# program (E + 1 values) and writes each pair's row and the block table. The order within an expert
-# is then the atomics' order; no kernel depends on it (each pair's output is its own column or row of
-# every product, with the same reduction order wherever it sits).
-GROUP_PAIRS = 32  # pairs (and blocks) per program
+# expert_blocks without a torch.sort and some 30 small torch kernels. Up to ONE_PROGRAM_PAIRS pairs
+# (every decode and verify batch of V4-Flash at k=6) one program does it all (`_group_pairs_kernel`);
+# past that, two launches plus zeroed counts: `_count_pairs_kernel` counts the pairs per expert with
+# atomics, whose returned old counts are each pair's rank within its expert; `_place_pairs_kernel`
+# scans the counts in every program (E + 1 values) and writes each pair's row and the block table.
+# Either way the order within an expert is the atomics' order; no kernel depends on it (each pair's
+# output is its own column or row of every product, with the same reduction order wherever it sits).
+# H200, E=256, in CUDA graphs (bench/RESULTS.md "Twentieth session"): one program 4.4 us a call at
+# 384 pairs, 7.7 at 1,536, 3.5 at 96, against 8.3-9.8 us for the two launches and the zeroing.
+ONE_PROGRAM_PAIRS = 2048
+ONE_PROGRAM_WARPS = 4
+GROUP_PAIRS = 32  # pairs (and blocks) per program of the two-launch path
 # H200, E=256 (E_PAD 512), in a CUDA graph: 4 warps 5.5-6.7 us a launch, 8 warps 7.4-8.0, 2 warps
 # 9.9-10.6; 64 pairs a program 11.5-36.7 (bench/RESULTS.md "Seventh session").
 PLACE_WARPS = 4
@@ -65,6 +70,49 @@ def _place_pairs_kernel(ids_ptr, counts_ptr, rank_ptr, order_ptr, block_expert_p
     tl.store(block_end_ptr + block, tl.where(real, start + count, 0), mask=in_range)
 
 
+@triton.jit
+def _group_pairs_kernel(ids_ptr, scratch_ptr, order_ptr, block_expert_ptr, block_start_ptr, block_end_ptr,
+                        P, NB, E, BLOCK_M: tl.constexpr, P_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                        NB_CHUNK: tl.constexpr):
+    """expert_blocks in one program: counts by histogram, ranks by atomics on a scratch the program
+    zeroes itself, each expert's first row through the scratch, blocks scattered per expert."""
+    e = tl.arange(0, E_PAD)
+    tl.store(scratch_ptr + e, 0)
+    offs = tl.arange(0, P_PAD)
+    live = offs < P
+    bucket = _bucket(tl.load(ids_ptr + offs, mask=live, other=-1), E)
+    tl.debug_barrier()  # the zeroed counts before any atomic
+    rank = tl.atomic_add(scratch_ptr + bucket, 1, mask=live, sem="relaxed", scope="cta")
+    counts = tl.histogram(bucket, E_PAD, mask=live)
+    row_start = tl.cumsum(counts, 0) - counts
+    tl.store(scratch_ptr + E_PAD + e, row_start)
+    tl.debug_barrier()  # each expert's first row, read back by the pairs
+    first_row = tl.load(scratch_ptr + E_PAD + bucket, mask=live, other=0)
+    tl.store(order_ptr + first_row + rank, offs, mask=live)
+    # Expert e owns blocks [block_end[e] - blocks[e], block_end[e]): written expert-parallel, one
+    # block of every expert at a time (an expert has at most cdiv(P, BLOCK_M) blocks).
+    blocks = tl.where(e < E, (counts + BLOCK_M - 1) // BLOCK_M, 0)
+    first_block = tl.cumsum(blocks, 0) - blocks
+    row_end = row_start + counts
+    most = tl.max(blocks, 0)
+    j = 0
+    while j < most:  # while loops: the interpreter cannot range() over its scalars
+        has = j < blocks
+        tl.store(block_expert_ptr + first_block + j, e, mask=has)
+        tl.store(block_start_ptr + first_block + j, row_start + j * BLOCK_M, mask=has)
+        tl.store(block_end_ptr + first_block + j, row_end, mask=has)
+        j += 1
+    used = tl.sum(blocks, 0)
+    b0 = used
+    while b0 < NB:  # the surplus blocks past the last expert's: expert E, rows [0, 0)
+        blk = b0 + tl.arange(0, NB_CHUNK)
+        spare = blk < NB
+        tl.store(block_expert_ptr + blk, tl.full([NB_CHUNK], 0, tl.int32) + E, mask=spare)
+        tl.store(block_start_ptr + blk, tl.zeros([NB_CHUNK], tl.int32), mask=spare)
+        tl.store(block_end_ptr + blk, tl.zeros([NB_CHUNK], tl.int32), mask=spare)
+        b0 += NB_CHUNK
+
+
 def block_bound(pairs: int, experts: int, block_m: int) -> int:
     """The most blocks of `block_m` rows that `pairs` (token, choice) pairs over `experts` experts can
     fill: n experts with pairs make sum_e cdiv(c_e, block_m) <= n + floor((pairs - n) / block_m), which
@@ -93,6 +141,13 @@ def expert_blocks(topk_ids: torch.Tensor, experts: int,
     block_expert, block_start, block_end = (torch.empty(num_blocks, dtype=torch.int32, device=device)
                                             for _ in range(3))
     if pairs == 0:
+        return order, block_expert, block_start, block_end
+    if pairs <= ONE_PROGRAM_PAIRS:
+        e_pad = triton.next_power_of_2(experts + 1)
+        scratch = torch.empty(2 * e_pad, dtype=torch.int32, device=device)
+        _group_pairs_kernel[(1,)](ids, scratch, order, block_expert, block_start, block_end, pairs, num_blocks,
+                                  experts, BLOCK_M=block_m, P_PAD=triton.next_power_of_2(pairs), E_PAD=e_pad,
+                                  NB_CHUNK=min(1024, triton.next_power_of_2(num_blocks)), num_warps=ONE_PROGRAM_WARPS)
         return order, block_expert, block_start, block_end
     counts = torch.zeros(experts + 1, dtype=torch.int32, device=device)
     rank = torch.empty(pairs, dtype=torch.int32, device=device)

@@ -36,10 +36,12 @@ def _blocks_by_loop(ids: torch.Tensor, experts: int, block_m: int):
 
 
 @pytest.mark.parametrize("tokens, top_k, experts, block_m", [(1, 1, 1, 1), (5, 3, 4, 2), (64, 6, 32, 8),
-                                                             (33, 6, 256, 1), (7, 6, 256, 16), (0, 6, 8, 8)])
+                                                             (33, 6, 256, 1), (7, 6, 256, 16), (0, 6, 8, 8),
+                                                             (400, 6, 256, 16)])
 def test_expert_blocks_match_loop(tokens, top_k, experts, block_m):
     """The Triton grouping against the contract in Python, with ids -1 and >= E mixed in: `order` holds
-    each expert's pairs in its row range (in any order within it), then the skipped pairs."""
+    each expert's pairs in its row range (in any order within it), then the skipped pairs. Up to
+    ONE_PROGRAM_PAIRS pairs one program groups them; 2,400 pairs take the two-launch path."""
     gen = torch.Generator().manual_seed(tokens * 131 + experts)
     ids = torch.randint(-1, experts + 2, (tokens, top_k), generator=gen).to(torch.int32)
     order, expert, start, end = moe_pairs.expert_blocks(ids, experts, block_m)
