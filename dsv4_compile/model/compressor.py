@@ -59,13 +59,11 @@ class StaticCompressor(nn.Module):
         closes = (entry + 1) * self.rate - 1 <= positions[:, -1:]
         entry_ids = torch.where(closes & (entry < max_entries), entry, -1)
 
-        offsets = torch.arange(self.rate, device=positions.device)
-        current = entry[..., None] * self.rate + offsets  # [B, C, rate]
         if self.overlap:
-            window_kv, window_gate = self._overlapping_windows(current, rows)
+            window_kv, window_gate = self._overlapping_windows(entry, rows)
         else:
-            window_kv = self._gather(self.ring_kv, rows, current)
-            window_gate = self._gather(self.ring_gate, rows, current) + self.module.position_bias
+            window_kv = self._window(self.ring_kv, rows, entry)
+            window_gate = self._window(self.ring_gate, rows, entry) + self.module.position_bias
         weights = window_gate.softmax(dim=2, dtype=torch.float32).to(window_kv.dtype)
         compressed = self.module.kv_norm((window_kv * weights).sum(dim=2))  # [B, C, head_dim]
         cos, sin = self.module.rotary_emb(compressed, position_ids=entry * self.rate,
@@ -79,21 +77,24 @@ class StaticCompressor(nn.Module):
         slots = torch.arange(start, length, device=self.ring_kv.device) % self.ring_kv.shape[1]
         return {"kv": self.ring_kv[row, slots], "gate": self.ring_gate[row, slots]}
 
-    def _gather(self, ring_rows: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """ring_rows [R, ring, W] at (rows [B], positions [B, C, r]) -> [B, C, r, W]."""
-        return ring_rows[rows[:, None, None], positions % ring_rows.shape[1]]
+    def _window(self, ring_rows: torch.Tensor, rows: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+        """ring_rows [R, ring, W] -> the `rate` slots of window `window` [B, C] of rows [B]: [B, C, rate, W].
 
-    def _overlapping_windows(self, current: torch.Tensor, rows: torch.Tensor
+        The ring holds whole windows, so a window is one block: the gather indexes (row, block) and
+        leaves the slots and columns to plain strides, which inductor reduces over coalesced."""
+        blocks = ring_rows.view(ring_rows.shape[0], -1, self.rate, ring_rows.shape[2])
+        return blocks[rows[:, None], window % blocks.shape[1]]
+
+    def _overlapping_windows(self, entry: torch.Tensor, rows: torch.Tensor
                              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Entry w mixes window w-1's Ca slice with window w's Cb slice: [B, C, 2*rate, D]."""
+        """Entry w [B, C] mixes window w-1's Ca slice with window w's Cb slice: [B, C, 2*rate, D]."""
         dim = self.head_dim
-        previous = current - self.rate
         bias = self.module.position_bias
-        ca_kv = self._gather(self.ring_kv, rows, previous)[..., :dim]
-        ca_gate = (self._gather(self.ring_gate, rows, previous) + bias)[..., :dim]
-        cb_kv = self._gather(self.ring_kv, rows, current)[..., dim:]
-        cb_gate = (self._gather(self.ring_gate, rows, current) + bias)[..., dim:]
-        before_start = (previous < 0)[..., None]  # window -1 does not exist: weight 0
+        ca_kv = self._window(self.ring_kv, rows, entry - 1)[..., :dim]
+        ca_gate = (self._window(self.ring_gate, rows, entry - 1) + bias)[..., :dim]
+        cb_kv = self._window(self.ring_kv, rows, entry)[..., dim:]
+        cb_gate = (self._window(self.ring_gate, rows, entry) + bias)[..., dim:]
+        before_start = (entry < 1)[..., None, None]  # window -1 does not exist: weight 0
         ca_kv = torch.where(before_start, torch.zeros_like(ca_kv), ca_kv)
         ca_gate = torch.where(before_start, torch.full_like(ca_gate, float("-inf")), ca_gate)
         return torch.cat([ca_kv, cb_kv], dim=2), torch.cat([ca_gate, cb_gate], dim=2)
