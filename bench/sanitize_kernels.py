@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from bench import bench_fp4_moe, bench_indexer, bench_sparse_mla
-from dsv4_compile.kernels import fp4_moe, hc_sinkhorn, indexer_topk, moe_pairs, moe_route, sparse_mla, weight_stream_mm
+from dsv4_compile.kernels import (fp4_moe, hc_sinkhorn, indexer_topk, moe_pairs, moe_route, rms_mm, sparse_mla,
+                                  weight_stream_mm)
 from dsv4_compile.kernels.moe_pairs import combine_pairs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -277,9 +278,29 @@ def moe_pairs_cases(gen: torch.Generator) -> None:
                 print(f"expert_blocks {pairs} pairs, block_m {block_m}{', one expert' if skew else ''}: ok", flush=True)
 
 
+def rms_mm_cases(gen: torch.Generator) -> None:
+    """dsv4::mm_sumsq at the mHC projections: [1 | 64, 16384] bf16 rows against [24 | 4, 16384] f32 (128
+    slices), and a reduction of 1,000 (a short last slice) over rows with a stride of 2,048."""
+    for rows, columns, depth, stride in ((1, 24, 16384, 16384), (64, 24, 16384, 16384), (64, 4, 16384, 16384),
+                                         (17, 24, 1000, 2048)):
+        x = torch.randn(rows, stride, device=DEVICE, generator=gen).to(torch.bfloat16)[:, :depth]
+        weight = torch.randn(columns, depth, device=DEVICE, generator=gen) * depth ** -0.5
+        prod, sumsq = rms_mm.mm_sumsq(x, weight)
+        torch.cuda.synchronize()
+        want_prod, want_sumsq = rms_mm.mm_sumsq_reference(x, weight)
+        abs_prod, abs_sq = rms_mm.mm_sumsq_reference(x.float().abs(), weight.abs())
+        # 3xTF32 products and f32 sums in another order: within 1e-5 of the sum of |terms|
+        err = max(((prod - want_prod).abs() / abs_prod.clamp(min=1e-30)).max().item(),
+                  ((sumsq - want_sumsq).abs() / abs_sq.clamp(min=1e-30)).max().item())
+        assert err <= 1e-5, f"mm_sumsq err {err}"
+        print(f"mm_sumsq [{rows}, {depth}] (row stride {stride}) x [{columns}, {depth}]: ok "
+              f"(max err / sum of |terms| {err:.2e})", flush=True)
+
+
 CASES = {"indexer": indexer_cases, "moe_pairs": moe_pairs_cases, "sparse_mla": lambda gen: sparse_mla_cases(),
          "fp4_moe": fp4_moe_cases, "large_pools": large_pool_cases, "hc_sinkhorn": hc_sinkhorn_cases,
-         "weight_stream_mm": weight_stream_mm_cases, "moe_route": moe_route_cases}
+         "weight_stream_mm": weight_stream_mm_cases, "moe_route": moe_route_cases,
+         "rms_mm": rms_mm_cases}
 
 
 def main() -> int:

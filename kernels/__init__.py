@@ -5,4 +5,5 @@ registration. Importing this package registers torch.ops.dsv4.*."""
 # Face `kernels` package (by importing it). Only dsv4_compile.kernels registers the ops, so that one
 # copy of each module serves them and what is set on dsv4_compile.kernels.* applies to the ops.
 if __name__ == "dsv4_compile.kernels":
-    from . import fp4_moe, hc_sinkhorn, indexer_physical, indexer_topk, moe_route, sparse_mla, weight_stream_mm  # noqa: F401
+    from . import (fp4_moe, hc_sinkhorn, indexer_physical, indexer_topk, moe_route, rms_mm, sparse_mla,  # noqa: F401
+                   weight_stream_mm)

@@ -18,6 +18,7 @@ PASS_MODULES: tuple[str, ...] = (
     "dsv4_compile.passes.fp4_moe",
     "dsv4_compile.passes.moe_route",
     "dsv4_compile.passes.hc_sinkhorn",
+    "dsv4_compile.passes.rms_mm",
     "dsv4_compile.passes.skinny_mm",
     "dsv4_compile.passes.short_bmm",
     "dsv4_compile.passes.weight_stream_mm",

@@ -33,11 +33,13 @@ def _static(sizes: tuple) -> bool:
     return all(isinstance(s, int) for s in sizes)
 
 
-def _check(mm: Node) -> None:
+def check_rows(mm: Node) -> None:
+    """Decline (with the reason) a candidate whose rows are symbolic or more than MAX_ROWS."""
     require_few_rows(mm, MAX_ROWS)
 
 
-def _is_candidate(node: Node) -> bool:
+def is_skinny_f32_mm(node: Node) -> bool:
+    """Whether `node` is an aten.mm of f32 operands with static K, N <= MAX_COLUMNS and K >= MIN_REDUCTION * N."""
     if node.op != "call_function" or node.target != aten.mm.default:
         return False
     a, b = (val(x) for x in node.args)
@@ -50,7 +52,7 @@ def _is_candidate(node: Node) -> bool:
 def apply(graph: Graph, report) -> int:
     """Rewrites each matched f32 mm to mul + sum over the reduction dim; records the candidates."""
     rewrites = 0
-    for mm in accepted_mms(graph, report, PASS_NAME, _is_candidate, _check):
+    for mm in accepted_mms(graph, report, PASS_NAME, is_skinny_f32_mm, check_rows):
         replace_with_mul_sum(graph, mm)
         rewrites += 1
     log.debug("skinny_mm: %d rewrite(s)", rewrites)
