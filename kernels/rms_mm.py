@@ -100,6 +100,21 @@ def _sum_slices_kernel(prod_part_ptr, sumsq_part_ptr, prod_ptr, sumsq_ptr, M, N,
     tl.store(sumsq_ptr + m, tl.sum(tl.load(sumsq_part_ptr + slices * M + m, mask=s_ok, other=0.0), axis=0))
 
 
+def _f32_outputs(caller: str, device: torch.device, **given: tuple[torch.Tensor | None, tuple[int, ...]]
+                 ) -> list[torch.Tensor]:
+    """name=(tensor or None, shape) -> the tensors, each allocated where None, else checked to be a
+    contiguous f32 tensor of that shape (ValueError naming it)."""
+    out = []
+    for name, (t, want) in given.items():
+        if t is None:
+            t = torch.empty(want, dtype=torch.float32, device=device)
+        elif tuple(t.shape) != want or t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"{caller}: {name} must be a contiguous float32 {want} tensor, got {t.dtype} "
+                             f"{tuple(t.shape)}")
+        out.append(t)
+    return out
+
+
 def rms_mm_partials_triton(x: torch.Tensor, weight: torch.Tensor, prod: torch.Tensor | None = None,
                            sumsq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch on arguments `check_rms_mm_args` accepts; prod / sumsq may be a caller's contiguous f32
@@ -107,15 +122,8 @@ def rms_mm_partials_triton(x: torch.Tensor, weight: torch.Tensor, prod: torch.Te
     rows, depth = x.shape
     columns = weight.shape[0]
     slices = num_slices(depth)
-    shapes = {"prod": (slices, rows, columns), "sumsq": (slices, rows)}
-    given = {"prod": prod, "sumsq": sumsq}
-    for name, want in shapes.items():
-        if given[name] is None:
-            given[name] = torch.empty(want, dtype=torch.float32, device=x.device)
-        elif tuple(given[name].shape) != want or given[name].dtype != torch.float32 or not given[name].is_contiguous():
-            raise ValueError(f"rms_mm_partials_triton: {name} must be a contiguous float32 {want} tensor, got "
-                             f"{given[name].dtype} {tuple(given[name].shape)}")
-    prod, sumsq = given["prod"], given["sumsq"]
+    prod, sumsq = _f32_outputs("rms_mm_partials_triton", x.device, prod=(prod, (slices, rows, columns)),
+                               sumsq=(sumsq, (slices, rows)))
     if rows == 0:
         return prod, sumsq
     if depth == 0:
@@ -161,22 +169,15 @@ def mm_sumsq_triton(x: torch.Tensor, weight: torch.Tensor, prod: torch.Tensor | 
     caller's contiguous f32 tensors (tests pass them poisoned)."""
     rows, depth = x.shape
     columns = weight.shape[0]
-    shapes = {"prod": (rows, columns), "sumsq": (rows,)}
-    given = {"prod": prod, "sumsq": sumsq}
-    for name, want in shapes.items():
-        if given[name] is None:
-            given[name] = torch.empty(want, dtype=torch.float32, device=x.device)
-        elif tuple(given[name].shape) != want or given[name].dtype != torch.float32 or not given[name].is_contiguous():
-            raise ValueError(f"mm_sumsq_triton: {name} must be a contiguous float32 {want} tensor, got "
-                             f"{given[name].dtype} {tuple(given[name].shape)}")
+    prod, sumsq = _f32_outputs("mm_sumsq_triton", x.device, prod=(prod, (rows, columns)), sumsq=(sumsq, (rows,)))
     prod_part, sumsq_part = rms_mm_partials_triton(x, weight)
     if rows == 0:
-        return given["prod"], given["sumsq"]
+        return prod, sumsq
     slices = prod_part.shape[0]
-    _sum_slices_kernel[(rows,)](prod_part, sumsq_part, given["prod"], given["sumsq"], rows, columns, slices,
+    _sum_slices_kernel[(rows,)](prod_part, sumsq_part, prod, sumsq, rows, columns, slices,
                                 BLOCK_S=triton.next_power_of_2(slices), BLOCK_N=triton.next_power_of_2(columns),
                                 num_warps=NUM_WARPS)
-    return given["prod"], given["sumsq"]
+    return prod, sumsq
 
 
 @torch.library.custom_op("dsv4::mm_sumsq", mutates_args=())
