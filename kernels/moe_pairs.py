@@ -80,7 +80,7 @@ def _group_pairs_kernel(ids_ptr, scratch_ptr, order_ptr, block_expert_ptr, block
     tl.store(scratch_ptr + e, 0)
     offs = tl.arange(0, P_PAD)
     live = offs < P
-    bucket = _bucket(tl.load(ids_ptr + offs, mask=live, other=-1), E)
+    bucket = _bucket(tl.load(ids_ptr + offs, mask=live, other=-1), E).to(tl.int32)  # <= E: int64 ids too
     tl.debug_barrier()  # the zeroed counts before any atomic
     rank = tl.atomic_add(scratch_ptr + bucket, 1, mask=live, sem="relaxed", scope="cta")
     counts = tl.histogram(bucket, E_PAD, mask=live)
@@ -89,7 +89,7 @@ def _group_pairs_kernel(ids_ptr, scratch_ptr, order_ptr, block_expert_ptr, block
     tl.debug_barrier()  # each expert's first row, read back by the pairs
     first_row = tl.load(scratch_ptr + E_PAD + bucket, mask=live, other=0)
     tl.store(order_ptr + first_row + rank, offs, mask=live)
-    # Expert e owns blocks [block_end[e] - blocks[e], block_end[e]): written expert-parallel, one
+    # Expert e owns blocks [first_block[e], first_block[e] + blocks[e]): written expert-parallel, one
     # block of every expert at a time (an expert has at most cdiv(P, BLOCK_M) blocks).
     blocks = tl.where(e < E, (counts + BLOCK_M - 1) // BLOCK_M, 0)
     first_block = tl.cumsum(blocks, 0) - blocks
@@ -147,7 +147,8 @@ def expert_blocks(topk_ids: torch.Tensor, experts: int,
         scratch = torch.empty(2 * e_pad, dtype=torch.int32, device=device)
         _group_pairs_kernel[(1,)](ids, scratch, order, block_expert, block_start, block_end, pairs, num_blocks,
                                   experts, BLOCK_M=block_m, P_PAD=triton.next_power_of_2(pairs), E_PAD=e_pad,
-                                  NB_CHUNK=min(1024, triton.next_power_of_2(num_blocks)), num_warps=ONE_PROGRAM_WARPS)
+                                  NB_CHUNK=min(1024, triton.next_power_of_2(max(num_blocks, 1))),
+                                  num_warps=ONE_PROGRAM_WARPS)
         return order, block_expert, block_start, block_end
     counts = torch.zeros(experts + 1, dtype=torch.int32, device=device)
     rank = torch.empty(pairs, dtype=torch.int32, device=device)

@@ -25,6 +25,7 @@ ROW_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_ROWS = 64  # one MMA tile of rows; more rows give a GEMM library enough output tiles
 MAX_COLUMNS = 32
 SPLIT_COLS = 128  # reduction columns a program (a slice); [16384] -> 128 slices
+SUM_SLICES = 128  # slices the summing launch loads at a time
 NUM_WARPS = 4
 
 
@@ -89,15 +90,23 @@ def _rms_mm_partials_kernel(x_ptr, w_ptr, prod_ptr, sumsq_ptr, M, N, K,
 @triton.jit
 def _sum_slices_kernel(prod_part_ptr, sumsq_part_ptr, prod_ptr, sumsq_ptr, M, N, S,
                        BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Program m: prod[m] = sum over slices of prod_part[:, m] ([S, M, N]), sumsq[m] likewise ([S, M])."""
+    """Program m: prod[m] = sum over slices of prod_part[:, m] ([S, M, N]), sumsq[m] likewise ([S, M]),
+    BLOCK_S slices at a time, in slice order."""
     m = tl.program_id(0)
-    slices = tl.arange(0, BLOCK_S)
     cols = tl.arange(0, BLOCK_N)
-    s_ok = slices < S
-    part = tl.load(prod_part_ptr + (slices[:, None] * M + m) * N + cols[None, :],
-                   mask=s_ok[:, None] & (cols < N)[None, :], other=0.0)
-    tl.store(prod_ptr + m * N + cols, tl.sum(part, axis=0), mask=cols < N)
-    tl.store(sumsq_ptr + m, tl.sum(tl.load(sumsq_part_ptr + slices * M + m, mask=s_ok, other=0.0), axis=0))
+    prod = tl.zeros([BLOCK_N], tl.float32)
+    sumsq = tl.zeros([BLOCK_S], tl.float32)
+    s0 = 0
+    while s0 < S:  # while loops: the interpreter cannot range() over its scalar arguments
+        slices = s0 + tl.arange(0, BLOCK_S)
+        s_ok = slices < S
+        part = tl.load(prod_part_ptr + (slices[:, None] * M + m) * N + cols[None, :],
+                       mask=s_ok[:, None] & (cols < N)[None, :], other=0.0)
+        prod += tl.sum(part, axis=0)
+        sumsq += tl.load(sumsq_part_ptr + slices * M + m, mask=s_ok, other=0.0)
+        s0 += BLOCK_S
+    tl.store(prod_ptr + m * N + cols, prod, mask=cols < N)
+    tl.store(sumsq_ptr + m, tl.sum(sumsq, axis=0))
 
 
 def _f32_outputs(caller: str, device: torch.device, **given: tuple[torch.Tensor | None, tuple[int, ...]]
@@ -175,7 +184,8 @@ def mm_sumsq_triton(x: torch.Tensor, weight: torch.Tensor, prod: torch.Tensor | 
         return prod, sumsq
     slices = prod_part.shape[0]
     _sum_slices_kernel[(rows,)](prod_part, sumsq_part, prod, sumsq, rows, columns, slices,
-                                BLOCK_S=triton.next_power_of_2(slices), BLOCK_N=triton.next_power_of_2(columns),
+                                BLOCK_S=min(SUM_SLICES, triton.next_power_of_2(slices)),
+                                BLOCK_N=triton.next_power_of_2(columns),
                                 num_warps=NUM_WARPS)
     return prod, sumsq
 

@@ -10,10 +10,10 @@ skinny_mm (which runs after it) gives such products to inductor as mul + sum.
 Matches skinny_mm's candidates (`aten.mm(a [M, K], b [K, N])`, both operands f32, static M <=
 MAX_ROWS, N <= MAX_COLUMNS, K >= MIN_REDUCTION * N) whose `a` is a reshape of x32 * rsqrt(mean(x32
 ** 2, [-1], keepdim=True) + eps) with x32 = x (f32) or convert_element_type(x, f32) from bf16 / f16,
-where the Triton kernel runs (CUDA, or the interpreter in CPU tests), with at least MIN_ROWS rows
-(below that inductor's mul + sum is as fast). Symbolic or too many rows are declined with the reason
-in the report; every other mm is left alone without a record. (skinny_mm's limits, 64 rows and 32
-columns, are the op's.)
+where the Triton kernel runs (CUDA, or the interpreter in CPU tests), with 1 to the op's MAX_COLUMNS
+columns and at least MIN_ROWS rows (below that inductor's mul + sum is as fast). Symbolic rows or more
+than the op's MAX_ROWS are declined with the reason in the report; every other mm is left alone
+without a record.
 """
 from __future__ import annotations
 
@@ -24,9 +24,10 @@ import torch
 from torch.fx import Graph, Node
 
 from dsv4_compile.kernels._runtime import triton_runs_on
+from dsv4_compile.kernels.rms_mm import MAX_COLUMNS, MAX_ROWS
 
-from .fx_match import RESHAPES, accepted_mms, aten, call, is_call, prims, shape, strip, val
-from .skinny_mm import check_rows, is_skinny_f32_mm
+from .fx_match import RESHAPES, accepted_mms, aten, call, is_call, prims, require_few_rows, shape, strip, val
+from .skinny_mm import is_skinny_f32_mm
 
 PASS_NAME = "rms_mm"
 # H200, [rows, 16384] @ [16384, 24] with the finish fused into a consumer, in CUDA graphs (bench/RESULTS.md
@@ -50,9 +51,11 @@ def _rms_norm_source(a: Node) -> tuple[Node, float] | None:
         mean, eps = factor.args[0].args
         if isinstance(mean, (int, float)):
             mean, eps = eps, mean
-        if not (is_call(mean, aten.mean.dim) and isinstance(eps, (int, float))
-                and list(mean.args[1]) in ([-1], [val(x32).dim() - 1])
-                and (mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False))):
+        if not (is_call(mean, aten.mean.dim) and isinstance(eps, (int, float))):
+            continue
+        dims = mean.args[1] if len(mean.args) > 1 else mean.kwargs.get("dim")  # None: every dim
+        keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
+        if dims is None or list(dims) not in ([-1], [val(x32).dim() - 1]) or not keepdim:
             continue
         square = mean.args[0]
         if not ((is_call(square, aten.pow.Tensor_Scalar) and square.args == (x32, 2))
@@ -68,9 +71,18 @@ def _rms_norm_source(a: Node) -> tuple[Node, float] | None:
 
 
 def _is_candidate(node: Node) -> bool:
-    rows = shape(node.args[0])[0] if is_skinny_f32_mm(node) else None
-    few = isinstance(rows, int) and rows < MIN_ROWS  # left to skinny_mm, which is faster there
-    return rows is not None and not few and _rms_norm_source(node.args[0]) is not None
+    """A skinny f32 mm of RMS-normed rows with the columns the op takes and, where the rows are
+    static, at least MIN_ROWS of them (fewer are left to skinny_mm, which is as fast there)."""
+    if not is_skinny_f32_mm(node):
+        return False
+    rows, columns = shape(node.args[0])[0], shape(node.args[1])[1]
+    few = isinstance(rows, int) and rows < MIN_ROWS
+    return 1 <= columns <= MAX_COLUMNS and not few and _rms_norm_source(node.args[0]) is not None
+
+
+def _check(mm: Node) -> None:
+    """Decline (with the reason) symbolic rows or more than the op's MAX_ROWS."""
+    require_few_rows(mm, MAX_ROWS)
 
 
 def _replace(graph: Graph, mm: Node, x: Node, eps: float) -> None:
@@ -81,16 +93,11 @@ def _replace(graph: Graph, mm: Node, x: Node, eps: float) -> None:
     with graph.inserting_before(mm):
         rows_2d = call(graph, aten.reshape.default, (x, [rows, depth]))
         weight = call(graph, aten.permute.default, (b, [1, 0]))
-        parts = graph.call_function(torch.ops.dsv4.mm_sumsq.default, (rows_2d, weight))
-        parts.meta["val"] = torch.ops.dsv4.mm_sumsq.default(val(rows_2d), val(weight))
-        total, sumsq = [], []
-        for i in range(2):
-            part = graph.call_function(operator.getitem, (parts, i))
-            part.meta["val"] = parts.meta["val"][i]
-            (total if i == 0 else sumsq).append(part)
-        mean = call(graph, aten.div.Tensor, (sumsq[0], float(depth)))
+        parts = call(graph, torch.ops.dsv4.mm_sumsq.default, (rows_2d, weight))
+        total, sumsq = (call(graph, operator.getitem, (parts, i)) for i in range(2))
+        mean = call(graph, aten.div.Tensor, (sumsq, float(depth)))
         factor = call(graph, aten.rsqrt.default, (call(graph, aten.add.Tensor, (mean, eps)),))
-        out = call(graph, aten.mul.Tensor, (total[0], call(graph, aten.unsqueeze.default, (factor, 1))))
+        out = call(graph, aten.mul.Tensor, (total, call(graph, aten.unsqueeze.default, (factor, 1))))
     mm.replace_all_uses_with(out)
     graph.erase_node(mm)
 
@@ -98,7 +105,7 @@ def _replace(graph: Graph, mm: Node, x: Node, eps: float) -> None:
 def apply(graph: Graph, report) -> int:
     """Rewrites each matched mm to dsv4::mm_sumsq and its finish; records the candidates."""
     rewrites = 0
-    for mm in accepted_mms(graph, report, PASS_NAME, _is_candidate, check_rows):
+    for mm in accepted_mms(graph, report, PASS_NAME, _is_candidate, _check):
         _replace(graph, mm, *_rms_norm_source(mm.args[0]))
         rewrites += 1
     log.debug("rms_mm: %d rewrite(s)", rewrites)

@@ -6,7 +6,8 @@ as one f32 GEMM tile that walks the whole reduction alone: 256 µs a step at bat
 (9 calls in the 4-layer slice). As `sum(a[:, :, None] * b[None], dim=1)` inductor compiles them
 to a split reduction spread over the GPU: below the profile's top 12 (< 29 µs a step) at batch 1,
 72 µs at 64 rows with the RMS norm fused in. At 256 rows (B=64, T=4) that reduction took 254 µs
-against cuBLAS's 145 µs, hence MAX_ROWS.
+against cuBLAS's 145 µs, hence MAX_ROWS. passes/rms_mm.py, which runs first, takes those products
+of 8 to 64 RMS-normed rows (each row re-reads the weight in this form); fewer rows stay here.
 
 Matches `aten.mm(a [M, K], b [K, N])` with both operands f32 and static sizes N <= MAX_COLUMNS,
 M <= MAX_ROWS and K >= MIN_REDUCTION * N. f32 products with such N and K but more rows or symbolic
@@ -33,8 +34,7 @@ def _static(sizes: tuple) -> bool:
     return all(isinstance(s, int) for s in sizes)
 
 
-def check_rows(mm: Node) -> None:
-    """Decline (with the reason) a candidate whose rows are symbolic or more than MAX_ROWS."""
+def _check(mm: Node) -> None:
     require_few_rows(mm, MAX_ROWS)
 
 
@@ -52,7 +52,7 @@ def is_skinny_f32_mm(node: Node) -> bool:
 def apply(graph: Graph, report) -> int:
     """Rewrites each matched f32 mm to mul + sum over the reduction dim; records the candidates."""
     rewrites = 0
-    for mm in accepted_mms(graph, report, PASS_NAME, is_skinny_f32_mm, check_rows):
+    for mm in accepted_mms(graph, report, PASS_NAME, is_skinny_f32_mm, _check):
         replace_with_mul_sum(graph, mm)
         rewrites += 1
     log.debug("skinny_mm: %d rewrite(s)", rewrites)

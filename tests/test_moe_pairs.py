@@ -37,7 +37,7 @@ def _blocks_by_loop(ids: torch.Tensor, experts: int, block_m: int):
 
 @pytest.mark.parametrize("tokens, top_k, experts, block_m", [(1, 1, 1, 1), (5, 3, 4, 2), (64, 6, 32, 8),
                                                              (33, 6, 256, 1), (7, 6, 256, 16), (0, 6, 8, 8),
-                                                             (400, 6, 256, 16)])
+                                                             (400, 6, 256, 16), (256, 8, 256, 4)])
 def test_expert_blocks_match_loop(tokens, top_k, experts, block_m):
     """The Triton grouping against the contract in Python, with ids -1 and >= E mixed in: `order` holds
     each expert's pairs in its row range (in any order within it), then the skipped pairs. Up to
@@ -52,6 +52,19 @@ def test_expert_blocks_match_loop(tokens, top_k, experts, block_m):
         assert sorted(order[row:row + len(group)].tolist()) == group
         row += len(group)
     assert [(int(e), int(s), int(t)) for e, s, t in zip(expert, start, end)] == want_blocks
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_one_program_fills_a_long_spare_table(dtype):
+    """2,048 pairs (ONE_PROGRAM_PAIRS), all skipped but one: 2,047 spare blocks, written 1,024 at a
+    time, each (E, 0, 0); int32 and int64 ids group alike."""
+    assert moe_pairs.ONE_PROGRAM_PAIRS == 2048
+    ids = torch.full((2048, 1), -1, dtype=dtype)
+    ids[1000] = 3
+    order, expert, start, end = moe_pairs.expert_blocks(ids, 8, 1)
+    assert int(order[0]) == 1000 and sorted(order.tolist()) == list(range(2048))
+    assert expert.numel() == 2048 and (int(expert[0]), int(start[0]), int(end[0])) == (3, 0, 1)
+    assert bool((expert[1:] == 8).all() and (start[1:] == 0).all() and (end[1:] == 0).all())
 
 
 @pytest.mark.parametrize("pairs, experts, block_m", [(6, 256, 8), (384, 256, 8), (1536, 256, 8), (9, 4, 2),

@@ -51,6 +51,12 @@ def plain_mixes(streams, fn):
     return F.linear(streams.flatten(1).float(), fn)
 
 
+def mean_over_all_mixes(streams, fn):
+    """The statistics over every element (aten.mean.dim with dim None), not per row."""
+    flat = streams.flatten(1).float()
+    return F.linear(flat * torch.rsqrt(flat.pow(2).mean(dim=None, keepdim=True) + 1e-6), fn)
+
+
 def _inputs(tokens, hidden, columns, seed):
     gen = torch.Generator().manual_seed(seed)
     streams = torch.randn(tokens, 4, hidden, generator=gen).to(torch.bfloat16)
@@ -90,7 +96,8 @@ def test_f32_rows_and_another_eps():
     assert report.count(rms_mm.PASS_NAME) == 1 and OP in probe.targets
 
 
-@pytest.mark.parametrize("fn_under_test", [weighted_norm_mixes, mean_over_rows_mixes, plain_mixes])
+@pytest.mark.parametrize("fn_under_test", [weighted_norm_mixes, mean_over_rows_mixes, plain_mixes,
+                                           mean_over_all_mixes])
 def test_other_rows_left_alone(fn_under_test):
     compiled, report, probe = compile_with_probe(fn_under_test, rms_mm)
     streams, fn = _inputs(12, 512, 24, 12)
@@ -113,6 +120,14 @@ def test_sizes_outside_the_op(tokens, columns, reason):
     assert report.count(rms_mm.PASS_NAME) == 0 and OP not in probe.targets
     declines = [r.reason for r in report.records if not r.matched]
     assert len(declines) == (reason is not None) and all(reason in d for d in declines), declines
+
+
+def test_no_columns_left_alone():
+    """A weight of zero rows: no product for the op (which takes 1 to MAX_COLUMNS), and no crash."""
+    compiled, report, probe = compile_with_probe(hc_mixes, rms_mm)
+    streams, fn = _inputs(12, 512, 0, 16)
+    assert compiled(streams, fn).shape == (12, 0)
+    assert report.count(rms_mm.PASS_NAME) == 0 and OP not in probe.targets
 
 
 def test_symbolic_rows_declined():

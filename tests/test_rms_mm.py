@@ -5,7 +5,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from dsv4_compile.kernels.rms_mm import (MAX_COLUMNS, MAX_ROWS, SPLIT_COLS, mm_sumsq_reference, mm_sumsq_triton,
+from dsv4_compile.kernels.rms_mm import (MAX_COLUMNS, MAX_ROWS, SPLIT_COLS, SUM_SLICES, mm_sumsq_reference,
+                                         mm_sumsq_triton,
                                          num_slices, rms_mm_partials_reference, rms_mm_partials_triton,
                                          rms_mm_reference)
 
@@ -61,6 +62,11 @@ def test_mhc_size_finishes_to_the_normed_product(rows, columns):
     got = prod * torch.rsqrt(sumsq / 16384 + 1e-6)[:, None]
     normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
     assert_close_f32(got, rms_mm_reference(x, weight, 1e-6), normed.abs() @ weight.abs().t())
+
+
+def test_more_slices_than_one_summing_load():
+    """SUM_SLICES + 3 slices (and a short last one): the summing launch loops over its loads."""
+    check(*make(3, 5, SPLIT_COLS * (SUM_SLICES + 3) - 7, torch.bfloat16, seed=7))
 
 
 def test_reference_slices():

@@ -32,6 +32,8 @@ class StaticCompressor(nn.Module):
         self.overlap = overlap
         width = (2 if overlap else 1) * head_dim
         device = module.kv_proj.weight.device
+        if ring % rate:
+            raise ValueError(f"ring: {ring} slots must be whole windows of {rate}")
         self.register_buffer("ring_kv", torch.zeros(rows, ring, width, dtype=dtype, device=device),
                              persistent=False)
         self.register_buffer("ring_gate", torch.zeros(rows, ring, width, dtype=dtype, device=device),

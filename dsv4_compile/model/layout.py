@@ -38,7 +38,8 @@ class StepLayout:
         """Ring slots of a compressor's projected tokens: one window (two when the windows
         overlap) plus the tokens of one step, rounded up to whole windows so that every window
         is one block of `rate` slots."""
-        return rate * math.ceil(((2 if overlap else 1) * rate + self.step_tokens - 1) / rate)
+        slots = (2 if overlap else 1) * rate + self.step_tokens - 1
+        return rate * -(-slots // rate)
 
     def entries(self, rate: int) -> int:
         """Compressed entries a request can have at max_context."""
