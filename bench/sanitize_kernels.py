@@ -27,7 +27,8 @@ from dsv4_compile.kernels import (fp4_moe, hc_sinkhorn, indexer_topk, moe_pairs,
 from dsv4_compile.kernels.moe_pairs import combine_pairs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from helpers import LARGE_INDEX_PAGES, LARGE_POOL_ROWS, large_indexer_inputs, large_sparse_mla_inputs  # noqa: E402
+from helpers import (LARGE_INDEX_PAGES, LARGE_POOL_ROWS, check_expert_blocks, large_indexer_inputs,  # noqa: E402
+                     large_sparse_mla_inputs)
 
 DEVICE = "cuda"
 MAX_PAGES = 4097  # 262,208 c4 slots: max context 1M
@@ -258,23 +259,17 @@ def moe_route_cases(gen: torch.Generator) -> None:
 
 def moe_pairs_cases(gen: torch.Generator) -> None:
     """expert_blocks over 256 experts at 6, 384 and 1,536 pairs (one program) and 2,400 (two launches),
-    with ids -1 and 256 mixed in, and with every pair on one expert; checked against the contract."""
+    with ids -1 and 256 mixed in, and with every pair on one expert; checked against the contract
+    (tests/helpers.py: the order by expert and the whole block table)."""
     for pairs in (6, 384, 1536, 2400):
         for skew in (False, True):
             ids = torch.randint(-1, 257, (pairs,), device=DEVICE, generator=gen).int()
             if skew:
                 ids[:] = 7
             for block_m in (1, 16):
-                order, expert, start, end = moe_pairs.expert_blocks(ids.view(-1, 1), 256, block_m)
+                blocks = moe_pairs.expert_blocks(ids.view(-1, 1), 256, block_m)
                 torch.cuda.synchronize()
-                flat = ids.tolist()
-                rows = 0
-                for e in range(256):
-                    group = sorted(p for p, i in enumerate(flat) if i == e)
-                    assert sorted(order[rows:rows + len(group)].tolist()) == group, f"expert_blocks order, expert {e}"
-                    rows += len(group)
-                real = expert < 256
-                assert int(((end - start)[real].clamp(max=block_m)).sum()) == rows, "expert_blocks blocks"
+                check_expert_blocks(ids.tolist(), 256, block_m, *(t.cpu() for t in blocks))
                 print(f"expert_blocks {pairs} pairs, block_m {block_m}{', one expert' if skew else ''}: ok", flush=True)
 
 

@@ -90,6 +90,39 @@ class PassProbe(CustomGraphPass):
         return f"PassProbe({self.pass_module.__name__})".encode()
 
 
+def expert_blocks_contract(ids: list[int], experts: int, block_m: int):
+    """expert_blocks' contract in plain Python, for ids [P] (any values): (groups, blocks) with groups[e]
+    the sorted pair indices of expert e (groups[E]: the skipped ones, ids outside [0, E)) and blocks
+    the table [(expert, start, end)]: each expert's rows (ascending experts) cut into blocks of
+    block_m, then empty blocks (E, 0, 0) up to moe_pairs.block_bound."""
+    bucket = [e if 0 <= e < experts else experts for e in ids]
+    groups = [[] for _ in range(experts + 1)]
+    for pair, e in enumerate(bucket):
+        groups[e].append(pair)
+    blocks, start = [], 0
+    for e in range(experts):
+        count = len(groups[e])
+        blocks += [(e, start + b, start + count) for b in range(0, count, block_m)]
+        start += count
+    busy = min(experts, len(ids))
+    num_blocks = busy + (len(ids) - busy) // block_m
+    blocks += [(experts, 0, 0)] * (num_blocks - len(blocks))
+    return groups, blocks
+
+
+def check_expert_blocks(ids: list[int], experts: int, block_m: int, order, expert, start, end) -> None:
+    """expert_blocks' outputs against `expert_blocks_contract`: `order` holds each expert's pairs in
+    its row range (in any order within it), then the skipped pairs; the block table exactly."""
+    groups, want_blocks = expert_blocks_contract(ids, experts, block_m)
+    assert order.dtype == torch.int32 and order.numel() == len(ids)
+    row, order = 0, order.tolist()
+    for e, group in enumerate(groups):
+        assert sorted(order[row:row + len(group)]) == group, f"expert_blocks order, expert {e}"
+        row += len(group)
+    got = list(zip(expert.tolist(), start.tolist(), end.tolist()))
+    assert got == want_blocks, "expert_blocks block table"
+
+
 def compile_with_probe(fn, pass_module: types.ModuleType, **kwargs):
     """fn compiled by inductor with only `pass_module` as its post-grad pass -> (compiled, report, probe)."""
     report = PassReport()

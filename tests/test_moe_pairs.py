@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from dsv4_compile.kernels import moe_pairs
+from helpers import check_expert_blocks
 
 
 def test_blocks_cover_pairs():
@@ -18,23 +19,6 @@ def test_blocks_cover_pairs():
         assert all(int(ids.reshape(-1)[order[r]]) == e for r in rs)
 
 
-def _blocks_by_loop(ids: torch.Tensor, experts: int, block_m: int):
-    """expert_blocks' contract in plain Python: each expert's pairs (ascending experts), then the skipped
-    ones; each expert's rows cut into blocks of block_m, then empty blocks (id E)."""
-    flat = ids.reshape(-1).tolist()
-    bucket = [e if 0 <= e < experts else experts for e in flat]
-    groups = [sorted(p for p, b in enumerate(bucket) if b == e) for e in range(experts + 1)]
-    blocks, start = [], 0
-    for e in range(experts):
-        count = len(groups[e])
-        blocks += [(e, start + b, start + count) for b in range(0, count, block_m)]
-        start += count
-    busy = min(experts, len(flat))
-    num_blocks = busy + (len(flat) - busy) // block_m
-    blocks += [(experts, 0, 0)] * (num_blocks - len(blocks))
-    return groups, blocks
-
-
 @pytest.mark.parametrize("tokens, top_k, experts, block_m", [(1, 1, 1, 1), (5, 3, 4, 2), (64, 6, 32, 8),
                                                              (33, 6, 256, 1), (7, 6, 256, 16), (0, 6, 8, 8),
                                                              (400, 6, 256, 16), (256, 8, 256, 4)])
@@ -44,14 +28,7 @@ def test_expert_blocks_match_loop(tokens, top_k, experts, block_m):
     ONE_PROGRAM_PAIRS pairs one program groups them; 2,400 pairs take the two-launch path."""
     gen = torch.Generator().manual_seed(tokens * 131 + experts)
     ids = torch.randint(-1, experts + 2, (tokens, top_k), generator=gen).to(torch.int32)
-    order, expert, start, end = moe_pairs.expert_blocks(ids, experts, block_m)
-    groups, want_blocks = _blocks_by_loop(ids, experts, block_m)
-    assert order.dtype == torch.int32 and order.numel() == tokens * top_k
-    row = 0
-    for group in groups:
-        assert sorted(order[row:row + len(group)].tolist()) == group
-        row += len(group)
-    assert [(int(e), int(s), int(t)) for e, s, t in zip(expert, start, end)] == want_blocks
+    check_expert_blocks(ids.reshape(-1).tolist(), experts, block_m, *moe_pairs.expert_blocks(ids, experts, block_m))
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])

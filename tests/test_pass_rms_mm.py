@@ -87,6 +87,24 @@ def test_mhc_projection_rewritten_and_matches(fn_under_test, tokens, columns):
     assert aten.mm.default not in probe.targets and OP in probe.targets
 
 
+def batched_swapped_mixes(streams, fn):
+    """[B, T, 4, hidden] streams (F.linear on 3-D rows: a reshape before the mm), eps before the mean,
+    the norm's factor as the product's first operand."""
+    flat = streams.flatten(2).float()
+    return F.linear(torch.rsqrt(1e-6 + flat.pow(2).mean(-1, keepdim=True)) * flat, fn)
+
+
+def test_batched_rows_and_swapped_operands():
+    compiled, report, probe = compile_with_probe(batched_swapped_mixes, rms_mm)
+    streams, fn = _inputs(12, 512, 24, 17)
+    streams = streams.view(3, 4, 4, 512)
+    got = compiled(streams, fn)
+    assert got.shape == (3, 4, 24)
+    _assert_close_f32(got.view(12, 24), batched_swapped_mixes(streams, fn).view(12, 24),
+                      _normed(streams.view(12, 4, 512)), fn)
+    assert report.count(rms_mm.PASS_NAME) == 1 and OP in probe.targets
+
+
 def test_f32_rows_and_another_eps():
     compiled, report, probe = compile_with_probe(f32_rows_mixes, rms_mm)
     gen = torch.Generator().manual_seed(11)
