@@ -4,12 +4,12 @@ out[m] = sum_j topk_weights[m, j] * W2[e_j] @ (silu(min(gate, L)) * clamp(up, -L
 [gate, up] = W13[e_j] @ x[m], for every choice j with 0 <= e_j < E (-1 = expert on another rank).
 
 Launch (capture-safe: static shapes, no host syncs):
-1. The M*k (token, choice) pairs are grouped by expert (`expert_blocks`, one small Triton launch up to
-   2,048 pairs, two past that);
-   each expert's pairs are cut into blocks of BLOCK_M rows. At most min(E, M*k) + floor((M*k -
-   min(E, M*k)) / BLOCK_M) blocks exist (`block_bound`), so the grid is that static bound and surplus
-   blocks exit at once. For one decode token's choices (TileConfig.direct_blocks) each pair is its
-   own block, read from the ids, and this step launches nothing.
+1. The M*k (token, choice) pairs are grouped by expert (`expert_blocks`: one small Triton launch up
+   to 2,048 pairs, two past that); each expert's pairs are cut into blocks of BLOCK_M rows. At most
+   min(E, M*k) + floor((M*k - min(E, M*k)) / BLOCK_M) blocks exist (`block_bound`), so the grid is
+   that static bound and surplus blocks exit at once. For one decode token's choices
+   (TileConfig.direct_blocks) each pair is its own block, read from the ids, and this step
+   launches nothing.
 2. `_gate_up_kernel`: per (block, I tile): x rows @ dequant(W13 gate/up tile)^T, clamped
    SwiGLU -> hidden [M*k, I] in sorted-pair order. With TileConfig.k_splits the mma kernel splits
    the K reduction over programs and `_swiglu_partials_kernel` sums the splits and applies SwiGLU.
