@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from dsv4_compile.fp4 import dequantize_mxfp4, dequantize_nvfp4
-from dsv4_compile.fp4_tiles import TILE_COLS, TILE_ROWS, is_tiled, logical_shape, untile_matrix
+from dsv4_compile.fp4_tiles import TILE_COLS, TILE_ROWS, is_tiled, logical_shape, untile_fp4
 
 from ._runtime import triton_runs_on
 from .moe_pairs import block_bound, combine_pairs_triton, expert_blocks
@@ -169,7 +169,7 @@ def fp4_moe_reference(
     Shapes as in the op (tiled experts are untiled first). Returns [M, K] in x's dtype.
     """
     if is_tiled(w13):
-        w13, w2 = untile_matrix(w13), untile_matrix(w2)
+        w13, w2 = untile_fp4(w13), untile_fp4(w2)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     ids = topk_ids.long()
     valid = (ids >= 0) & (ids < w13.shape[0])
@@ -230,22 +230,33 @@ def _dequant_tile(w_ptr, s_ptr, rows, row_mask, k0, stride_w, stride_s,
                   BLOCK_K: tl.constexpr, GROUP: tl.constexpr, IS_MX: tl.constexpr, DOT_DTYPE: tl.constexpr, TILED: tl.constexpr):
     """Rows `rows` [BN] x K columns [k0, k0+BLOCK_K) of a packed FP4 matrix -> [BN, BLOCK_K] DOT_DTYPE
     (without the nvfp4 global scale)."""
-    half = tl.arange(0, BLOCK_K // 2)
-    packed = tl.load(w_ptr + _at(rows[:, None], (k0 // 2 + half)[None, :], stride_w, TILED, 2),
-                     mask=row_mask[:, None], other=0)
-    codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (rows.shape[0], BLOCK_K))
+    if TILED:  # whole words, their bits in the tiled layout's order
+        jw = tl.arange(0, BLOCK_K // 8)
+        words = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + _at(rows[:, None], (k0 // 8 + jw)[None, :], stride_w // 4,
+                                                                   TILED, 8), mask=row_mask[:, None], other=0)
+        c0, c4, c1, c5, c2, c6, c3, c7 = _decode_words(words, True)
+        # [BN, W, a, b, c] with code 4a + 2b + c (see `_scaled_pair`'s joins): K order
+        code_values = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
+        values = tl.reshape(code_values, (rows.shape[0], BLOCK_K))
+    else:
+        half = tl.arange(0, BLOCK_K // 2)
+        packed = tl.load(w_ptr + _at(rows[:, None], (k0 // 2 + half)[None, :], stride_w, TILED, 2),
+                         mask=row_mask[:, None], other=0)
+        codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (rows.shape[0], BLOCK_K))
+        values = _e2m1_times_2pow_minus14(codes)
     groups = tl.arange(0, BLOCK_K // GROUP)
     s_raw = tl.load(s_ptr + rows[:, None] * stride_s + (k0 // GROUP + groups)[None, :], mask=row_mask[:, None], other=0)
     scale = _block_scale(s_raw, IS_MX, 16384.0)
-    values = tl.reshape(_e2m1_times_2pow_minus14(codes), (rows.shape[0], BLOCK_K // GROUP, GROUP))
+    values = tl.reshape(values, (rows.shape[0], BLOCK_K // GROUP, GROUP))
     return tl.reshape(values * scale[:, :, None], (rows.shape[0], BLOCK_K)).to(DOT_DTYPE)
 
 
 @triton.jit
-def _scaled_dot(acc, a, w_ptr, s_ptr, rows, row_mask, k0, stride_w, stride_s, BLOCK_K: tl.constexpr, TILED: tl.constexpr):
-    """acc += a [BM, BLOCK_K] @ MXFP4 rows^T via tl.dot_scaled on the packed codes (sm_100+)."""
+def _scaled_dot(acc, a, w_ptr, s_ptr, rows, row_mask, k0, stride_w, stride_s, BLOCK_K: tl.constexpr):
+    """acc += a [BM, BLOCK_K] @ MXFP4 rows^T via tl.dot_scaled on the packed codes (sm_100+; row-major
+    experts only: the tiled layout's words hold their bits swizzled)."""
     half = tl.arange(0, BLOCK_K // 2)
-    packed_t = tl.load(w_ptr + _at(rows[None, :], (k0 // 2 + half)[:, None], stride_w, TILED, 2),
+    packed_t = tl.load(w_ptr + _at(rows[None, :], (k0 // 2 + half)[:, None], stride_w, False, 2),
                        mask=row_mask[None, :], other=0)
     groups = tl.arange(0, BLOCK_K // 32)
     s_raw = tl.load(s_ptr + rows[:, None] * stride_s + (k0 // 32 + groups)[None, :], mask=row_mask[:, None], other=0)
@@ -315,8 +326,8 @@ def _gate_up_kernel(
     for k0 in range(0, K, BLOCK_K):
         a = tl.load(x_ptr + token[:, None] * stride_x + (k0 + kk)[None, :], mask=row_mask[:, None], other=0.0)
         if USE_DOT_SCALED:
-            acc_gate = _scaled_dot(acc_gate, a, w_base, s_base, cols, col_mask, k0, stride_wn, stride_sn, BLOCK_K, TILED)
-            acc_up = _scaled_dot(acc_up, a, w_base, s_base, cols + I, col_mask, k0, stride_wn, stride_sn, BLOCK_K, TILED)
+            acc_gate = _scaled_dot(acc_gate, a, w_base, s_base, cols, col_mask, k0, stride_wn, stride_sn, BLOCK_K)
+            acc_up = _scaled_dot(acc_up, a, w_base, s_base, cols + I, col_mask, k0, stride_wn, stride_sn, BLOCK_K)
         else:
             a = a.to(DOT_DTYPE)
             gate_w = _dequant_tile(w_base, s_base, cols, col_mask, k0, stride_wn, stride_sn,
@@ -360,7 +371,7 @@ def _down_kernel(
     for k0 in range(0, I, BLOCK_K):
         a = tl.load(hidden_ptr + rows[:, None] * stride_h + (k0 + kk)[None, :], mask=row_mask[:, None], other=0.0)
         if USE_DOT_SCALED:
-            acc = _scaled_dot(acc, a, w_base, s_base, cols, col_mask, k0, stride_wn, stride_sn, BLOCK_K, TILED)
+            acc = _scaled_dot(acc, a, w_base, s_base, cols, col_mask, k0, stride_wn, stride_sn, BLOCK_K)
         else:
             w = _dequant_tile(w_base, s_base, cols, col_mask, k0, stride_wn, stride_sn,
                               BLOCK_K, GROUP, IS_MX, DOT_DTYPE, TILED)
@@ -406,18 +417,23 @@ def _as_words(packed: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _e2m1_pair_times_2pow_minus14(words, Q: tl.constexpr):
-    """int32 words of 8 e2m1 codes -> (code Q, code Q+4) of each word as f32 value * 2**-14, Q in 0..3.
+def _e2m1_pair_times_2pow_minus14(words, Q: tl.constexpr, SWIZZLED: tl.constexpr):
+    """int32 words of 8 e2m1 codes (bits in the tiled layout's order where SWIZZLED) -> (code Q, code Q+4)
+    of each word as f32 value * 2**-14, Q in 0..3.
 
     As in `_e2m1_times_2pow_minus14`, a code's 3 magnitude bits go to fp16 bits 9..11 and its sign to
     bit 15; codes Q and Q+4 land in the low and high half of one 32-bit lane at once.
     """
     w = words.to(tl.uint32, bitcast=True)
-    if Q < 3:
-        magnitude = (w << (9 - 4 * Q)) & 0x0E000E00
+    if SWIZZLED:  # from the mma path's bf16 places (magnitude at bits 6..8) to fp16's
+        pair = _e2m1_pair_bits_swizzled(w, Q, 0)
+        bits = ((pair & 0x01C001C0) << 3) | (pair & 0x80008000)
     else:
-        magnitude = (w >> 3) & 0x0E000E00
-    bits = magnitude | ((w << (12 - 4 * Q)) & 0x80008000)
+        if Q < 3:
+            magnitude = (w << (9 - 4 * Q)) & 0x0E000E00
+        else:
+            magnitude = (w >> 3) & 0x0E000E00
+        bits = magnitude | ((w << (12 - 4 * Q)) & 0x80008000)
     low = (bits & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
     high = (bits >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
     return low, high
@@ -444,12 +460,13 @@ def _load_scales(s_ptr, rows, row_mask, k0, stride_s, BLOCK_K: tl.constexpr, GRO
 
 
 @triton.jit
-def _decode_words(words):
-    """int32 words [1, BN, W] -> 8 tensors [1, BN, W] f32 (value * 2**-14): codes 0, 4, 1, 5, 2, 6, 3, 7."""
-    c0, c4 = _e2m1_pair_times_2pow_minus14(words, 0)
-    c1, c5 = _e2m1_pair_times_2pow_minus14(words, 1)
-    c2, c6 = _e2m1_pair_times_2pow_minus14(words, 2)
-    c3, c7 = _e2m1_pair_times_2pow_minus14(words, 3)
+def _decode_words(words, SWIZZLED: tl.constexpr):
+    """int32 words [..., W] (bits in the tiled layout's order where SWIZZLED) -> 8 tensors [..., W] f32
+    (value * 2**-14): codes 0, 4, 1, 5, 2, 6, 3, 7."""
+    c0, c4 = _e2m1_pair_times_2pow_minus14(words, 0, SWIZZLED)
+    c1, c5 = _e2m1_pair_times_2pow_minus14(words, 1, SWIZZLED)
+    c2, c6 = _e2m1_pair_times_2pow_minus14(words, 2, SWIZZLED)
+    c3, c7 = _e2m1_pair_times_2pow_minus14(words, 3, SWIZZLED)
     return c0, c4, c1, c5, c2, c6, c3, c7
 
 
@@ -511,11 +528,11 @@ def _gate_up_gemv_kernel(
             words = _load_words(w_base, w_rows, next_mask, k0 + BLOCK_K, stride_wn, BLOCK_K, TILED)
             s_raw = _load_scales(s_base, w_rows, next_mask, k0 + BLOCK_K, stride_sn, BLOCK_K, GROUP)
             tl.debug_barrier()
-            c0, c4, c1, c5, c2, c6, c3, c7 = _decode_words(cur_words)
+            c0, c4, c1, c5, c2, c6, c3, c7 = _decode_words(cur_words, TILED)
             scale = _block_scale(cur_s, IS_MX, 16384.0)
         else:
             words = _load_words(w_base, w_rows, col_mask, k0, stride_wn, BLOCK_K, TILED)
-            c0, c4, c1, c5, c2, c6, c3, c7 = _decode_words(words)
+            c0, c4, c1, c5, c2, c6, c3, c7 = _decode_words(words, TILED)
             s_raw = _load_scales(s_base, w_rows, col_mask, k0, stride_sn, BLOCK_K, GROUP)
             scale = _block_scale(s_raw, IS_MX, 16384.0)
         for r in tl.static_range(BLOCK_M):
@@ -569,11 +586,11 @@ def _down_gemv_kernel(
             words = _load_words(w_base, cols, next_mask, k0 + BLOCK_K, stride_wn, BLOCK_K, TILED)
             s_raw = _load_scales(s_base, cols, next_mask, k0 + BLOCK_K, stride_sn, BLOCK_K, GROUP)
             tl.debug_barrier()
-            c0, c4, c1, c5, c2, c6, c3, c7 = _decode_words(cur_words)
+            c0, c4, c1, c5, c2, c6, c3, c7 = _decode_words(cur_words, TILED)
             scale = _block_scale(cur_s, IS_MX, 16384.0)
         else:
             words = _load_words(w_base, cols, col_mask, k0, stride_wn, BLOCK_K, TILED)
-            c0, c4, c1, c5, c2, c6, c3, c7 = _decode_words(words)
+            c0, c4, c1, c5, c2, c6, c3, c7 = _decode_words(words, TILED)
             s_raw = _load_scales(s_base, cols, col_mask, k0, stride_sn, BLOCK_K, GROUP)
             scale = _block_scale(s_raw, IS_MX, 16384.0)
         for r in tl.static_range(BLOCK_M):
@@ -675,6 +692,22 @@ def _e2m1_pair_bits(words, Q: tl.constexpr, zero):
 
 
 @triton.jit
+def _e2m1_pair_bits_swizzled(words, Q: tl.constexpr, zero):
+    """`_e2m1_pair_bits` for uint32 words in the tiled layout's bit order (fp4_tiles.SWIZZLED_BIT): codes
+    Q and Q + 4 sit where a masking (Q = 0), a rotation and a masking (Q = 1, 2) or a masking, a multiply
+    and a masking (Q = 3) put them; with the `zero` taken in once, 9 integer operations a word
+    against 13."""
+    live = words | zero
+    if Q == 0:
+        bits = live & 0x81C081C0
+    elif Q == 3:
+        bits = ((live & 0x001B001B) * 0x1084) & 0x81C081C0
+    else:
+        bits = ((live >> (3 * Q)) | (live << (32 - 3 * Q))) & 0x81C081C0
+    return bits
+
+
+@triton.jit
 def _scaled_pair(bits, scale, DOT_DTYPE: tl.constexpr):
     """Pair bits from `_e2m1_pair_bits` [...] times scale [..., 1] -> [..., 2] DOT_DTYPE (low, high)."""
     if DOT_DTYPE == tl.bfloat16:
@@ -733,7 +766,7 @@ def _mma_load_weights(w_ptr, s_ptr, row0, n_rows, k0, stride_w, stride_s,
 @triton.jit
 def _mma_decode_weights(words, s_words, k0, zero,
                         IS_MX: tl.constexpr, GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, NUM_WARPS: tl.constexpr, KPACK: tl.constexpr):
+                        BLOCK_K: tl.constexpr, NUM_WARPS: tl.constexpr, KPACK: tl.constexpr, SWIZZLED: tl.constexpr):
     """`_mma_load_weights`' words and scale words of the tile at k0 -> [BLOCK_N, BLOCK_K] DOT_DTYPE
     value * scale * 2**-64 (without the nvfp4 global scale), columns in the MMA path's order. `zero`: see
     `_cta_zero`."""
@@ -757,10 +790,16 @@ def _mma_decode_weights(words, s_words, k0, zero,
     scale = _block_scale(tl.reshape(s_raw, (4, 8, NUM_WARPS, 2, REP, SPQ)), IS_MX, 2.0**62)
     scale = tl.reshape(scale, (4, 8, NUM_WARPS, 2, REP, SPQ, 1, 1))
     w = tl.reshape(words.to(tl.uint32, bitcast=True), (4, 8, NUM_WARPS, 2, REP, SPQ, U // SPQ))
-    pairs = tl.join(tl.join(_scaled_pair(_e2m1_pair_bits(w, 0, zero), scale, DOT_DTYPE),
-                            _scaled_pair(_e2m1_pair_bits(w, 1, zero), scale, DOT_DTYPE)),
-                    tl.join(_scaled_pair(_e2m1_pair_bits(w, 2, zero), scale, DOT_DTYPE),
-                            _scaled_pair(_e2m1_pair_bits(w, 3, zero), scale, DOT_DTYPE)))
+    if SWIZZLED:
+        pairs = tl.join(tl.join(_scaled_pair(_e2m1_pair_bits_swizzled(w, 0, zero), scale, DOT_DTYPE),
+                                _scaled_pair(_e2m1_pair_bits_swizzled(w, 1, zero), scale, DOT_DTYPE)),
+                        tl.join(_scaled_pair(_e2m1_pair_bits_swizzled(w, 2, zero), scale, DOT_DTYPE),
+                                _scaled_pair(_e2m1_pair_bits_swizzled(w, 3, zero), scale, DOT_DTYPE)))
+    else:
+        pairs = tl.join(tl.join(_scaled_pair(_e2m1_pair_bits(w, 0, zero), scale, DOT_DTYPE),
+                                _scaled_pair(_e2m1_pair_bits(w, 1, zero), scale, DOT_DTYPE)),
+                        tl.join(_scaled_pair(_e2m1_pair_bits(w, 2, zero), scale, DOT_DTYPE),
+                                _scaled_pair(_e2m1_pair_bits(w, 3, zero), scale, DOT_DTYPE)))
     pairs = tl.reshape(pairs, (4, 8, NUM_WARPS, 2, REP, U, 2, 2, 2))  # [q, lane_row, warp, half, rep, u, a, b, c]
     if KPACK == 1:
         pairs = tl.permute(pairs, (4, 2, 3, 1, 5, 8, 7, 0, 6))  # rows (rep, warp, half, lane_row), k (u, c, b, q, a)
@@ -846,12 +885,14 @@ def _gate_up_mma_loads(x_ptr, token, row_mask, w_base, s_base, u_base, us_base, 
 def _gate_up_mma_step(acc_gate, acc_up, x_raw, g_words, g_scales, u_words, u_scales, k0, zero,
                       IS_MX: tl.constexpr, GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_WARPS: tl.constexpr, KPACK: tl.constexpr,
-                      PACKED: tl.constexpr):
+                      PACKED: tl.constexpr, TILED: tl.constexpr):
     """Both accumulators [BLOCK_N, BLOCK_M] plus the K step at k0 of `_gate_up_mma_loads`' tiles."""
     xt = _mma_act_operand(x_raw, zero, BLOCK_M, BLOCK_K, KPACK, PACKED, DOT_DTYPE)
-    gate_w = _mma_decode_weights(g_words, g_scales, k0, zero, IS_MX, GROUP, DOT_DTYPE, BLOCK_N, BLOCK_K, NUM_WARPS, KPACK)
+    gate_w = _mma_decode_weights(g_words, g_scales, k0, zero, IS_MX, GROUP, DOT_DTYPE, BLOCK_N, BLOCK_K, NUM_WARPS, KPACK,
+                                 TILED)
     acc_gate = tl.dot(gate_w, xt, acc_gate, input_precision="ieee")
-    up_w = _mma_decode_weights(u_words, u_scales, k0, zero, IS_MX, GROUP, DOT_DTYPE, BLOCK_N, BLOCK_K, NUM_WARPS, KPACK)
+    up_w = _mma_decode_weights(u_words, u_scales, k0, zero, IS_MX, GROUP, DOT_DTYPE, BLOCK_N, BLOCK_K, NUM_WARPS, KPACK,
+                               TILED)
     acc_up = tl.dot(up_w, xt, acc_up, input_precision="ieee")
     return acc_gate, acc_up
 
@@ -905,13 +946,13 @@ def _gate_up_mma_kernel(
                                                       stride_sn, I, GROUP, BLOCK_N, BLOCK_K, NUM_WARPS, PACKED, TILED, SCALE_ASM)
             zero = _cta_zero(COMPILED)
             acc_gate, acc_up = _gate_up_mma_step(acc_gate, acc_up, xa, ga, gsa, ua, usa, k0, zero, IS_MX, GROUP,
-                                                 DOT_DTYPE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, KPACK, PACKED)
+                                                 DOT_DTYPE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, KPACK, PACKED, TILED)
             xa, ga, gsa, ua, usa = _gate_up_mma_loads(x_ptr, token, row_mask, w_base, s_base, u_base, us_base, col0,
                                                       k0 + 2 * BLOCK_K, kk + 2 * BLOCK_K < K_SPAN, stride_x, stride_wn,
                                                       stride_sn, I, GROUP, BLOCK_N, BLOCK_K, NUM_WARPS, PACKED, TILED, SCALE_ASM)
             zero = _cta_zero(COMPILED)
             acc_gate, acc_up = _gate_up_mma_step(acc_gate, acc_up, xb, gb, gsb, ub, usb, k0 + BLOCK_K, zero, IS_MX,
-                                                 GROUP, DOT_DTYPE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, KPACK, PACKED)
+                                                 GROUP, DOT_DTYPE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, KPACK, PACKED, TILED)
     else:
         for kk in range(0, K_SPAN, BLOCK_K):
             k0 = k_begin + kk
@@ -919,7 +960,7 @@ def _gate_up_mma_kernel(
                                                       k0, True, stride_x, stride_wn, stride_sn, I, GROUP, BLOCK_N,
                                                       BLOCK_K, NUM_WARPS, PACKED, TILED, SCALE_ASM)
             acc_gate, acc_up = _gate_up_mma_step(acc_gate, acc_up, xa, ga, gsa, ua, usa, k0, 0, IS_MX, GROUP,
-                                                 DOT_DTYPE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, KPACK, PACKED)
+                                                 DOT_DTYPE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, KPACK, PACKED, TILED)
     fix = 2.0**64  # the 2**-64 of the decoded weights
     if not IS_MX:
         fix = fix * tl.load(g13_ptr + expert)
@@ -977,10 +1018,10 @@ def _down_mma_loads(h_ptr, rows, row_mask, w_base, s_base, col0, k0, live, strid
 @triton.jit
 def _down_mma_step(acc, h_raw, words, scales, k0, zero, IS_MX: tl.constexpr, GROUP: tl.constexpr,
                    DOT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   NUM_WARPS: tl.constexpr, KPACK: tl.constexpr, PACKED: tl.constexpr):
+                   NUM_WARPS: tl.constexpr, KPACK: tl.constexpr, PACKED: tl.constexpr, TILED: tl.constexpr):
     """acc [BLOCK_N, BLOCK_M] plus the K step at k0 of `_down_mma_loads`' tiles."""
     ht = _mma_act_operand(h_raw, zero, BLOCK_M, BLOCK_K, KPACK, PACKED, DOT_DTYPE)
-    w = _mma_decode_weights(words, scales, k0, zero, IS_MX, GROUP, DOT_DTYPE, BLOCK_N, BLOCK_K, NUM_WARPS, KPACK)
+    w = _mma_decode_weights(words, scales, k0, zero, IS_MX, GROUP, DOT_DTYPE, BLOCK_N, BLOCK_K, NUM_WARPS, KPACK, TILED)
     return tl.dot(w, ht, acc, input_precision="ieee")
 
 
@@ -1017,19 +1058,19 @@ def _down_mma_kernel(
                                          NUM_WARPS, PACKED, TILED, SCALE_ASM)
             zero = _cta_zero(COMPILED)
             acc = _down_mma_step(acc, ha, wa, sa, k0, zero, IS_MX, GROUP, DOT_DTYPE, BLOCK_M, BLOCK_N, BLOCK_K,
-                                 NUM_WARPS, KPACK, PACKED)
+                                 NUM_WARPS, KPACK, PACKED, TILED)
             ha, wa, sa = _down_mma_loads(hidden_ptr, rows, row_mask, w_base, s_base, col0, k0 + 2 * BLOCK_K,
                                          k0 + 2 * BLOCK_K < I, stride_h, stride_wn, stride_sn, K, GROUP, BLOCK_N,
                                          BLOCK_K, NUM_WARPS, PACKED, TILED, SCALE_ASM)
             zero = _cta_zero(COMPILED)
             acc = _down_mma_step(acc, hb, wb, sb, k0 + BLOCK_K, zero, IS_MX, GROUP, DOT_DTYPE, BLOCK_M, BLOCK_N,
-                                 BLOCK_K, NUM_WARPS, KPACK, PACKED)
+                                 BLOCK_K, NUM_WARPS, KPACK, PACKED, TILED)
     else:
         for k0 in range(0, I, BLOCK_K):
             ha, wa, sa = _down_mma_loads(hidden_ptr, rows, row_mask, w_base, s_base, col0, k0, True, stride_h,
                                          stride_wn, stride_sn, K, GROUP, BLOCK_N, BLOCK_K, NUM_WARPS, PACKED, TILED, SCALE_ASM)
             acc = _down_mma_step(acc, ha, wa, sa, k0, 0, IS_MX, GROUP, DOT_DTYPE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS,
-                                 KPACK, PACKED)
+                                 KPACK, PACKED, TILED)
     pair = _pair_of(order_ptr, rows, row_mask, DIRECT)
     routing = tl.load(weights_ptr + pair, mask=row_mask, other=0.0) * 2.0**64
     if not IS_MX:
@@ -1275,6 +1316,9 @@ def fp4_moe_pairs_triton(
     native_fp4 = native_fp4_dot(x, fmt)
     if use_dot_scaled is None:
         use_dot_scaled = native_fp4
+    # tl.dot_scaled takes the row-major packing; tiled words hold their bits swizzled, so the dot path
+    # dequantises them (on the H200 a tiled dot_scaled operand rebuilt in registers gave wrong sums).
+    use_dot_scaled = use_dot_scaled and not tiled
     if config is None:
         config = choose_config(pairs, experts, fmt, native_fp4, mma_fits=hidden % 32 == 0 and inter % 32 == 0)
     group = GROUP[fmt]

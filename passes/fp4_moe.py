@@ -5,7 +5,8 @@ Hand-written FX matching, keyed on the math rather than on one trace:
   out = sum_j(w[m, j] * bmm(W2', act(bmm(W13', x))))      (the anchor: sum over the choice dim)
 where W13' / W2' are computed only from gathers `packed[ids]` of uint8 [E, rows, cols/2] graph
 inputs or of their tiled form (dsv4_compile.fp4_tiles; put back in row order by views and a
-copy), plus their scales (and globals for NVFP4), by unpack/decode/scale ops, and
+copy, each word's bits by shifts and masks), plus their scales (and globals for NVFP4), by
+unpack/decode/scale ops, and
 act = silu(min(gate, L)) * clamp(up, -L, L) (or silu(gate) * up without a limit). The format
 comes from the scale dtype (uint8 ue8m0 -> mxfp4, e4m3 -> nvfp4). Anything else is declined
 and recorded with its reason; bf16 experts (no packed gathers) are left alone. A bmm of batch
@@ -38,6 +39,8 @@ _DEQUANT_OPS = _VIEWS | {
     aten.cat.default, aten.stack.default, aten.lift_fresh_copy.default, aten.sub.Tensor, aten.exp2.default,
     aten.mul.Tensor, aten.pow.Scalar, aten.arange.default, aten.arange.start, prims.iota.default,
     aten.unbind.int, operator.getitem, aten.select.int, aten.slice.Tensor, aten.where.self,
+    # the tiled layout's bits put back in order (fp4_tiles.unswizzle_words)
+    aten.view.dtype, aten.__lshift__.Scalar, aten.bitwise_left_shift.Tensor_Scalar, aten.bitwise_or.Tensor,
 }
 # Ops allowed in the activation between the gate/up split and the second GEMM.
 _ACT_OPS = _VIEWS | {aten.clamp_max.default, aten.clamp_min.default, aten.clamp.default, aten.neg.default,

@@ -27,6 +27,41 @@ def test_tile_layout_and_round_trip(dtype):
     assert fp4_tiles.logical_shape(tiled) == tuple(t.shape)
 
 
+def _pair_bits_row_major(words: torch.Tensor, q: int) -> torch.Tensor:
+    """The mma decode's spec (kernels/fp4_moe.py `_e2m1_pair_bits`): codes q and q + 4 of row-major words
+    (int64 holding uint32) as bf16 magnitude bits 6..8 and sign bit 15 of the low and high half."""
+    nibbles = (words >> (4 * q)) & 0x000F000F
+    return (((nibbles << 6) | (nibbles << 12)) & 0x81C081C0)
+
+
+def _pair_bits_swizzled(words: torch.Tensor, q: int) -> torch.Tensor:
+    """`_e2m1_pair_bits_swizzled`'s operations on the tiled layout's words (int64 holding uint32)."""
+    if q == 0:
+        return words & 0x81C081C0
+    if q == 3:
+        return (((words & 0x001B001B) * 0x1084) & 0xFFFFFFFF) & 0x81C081C0
+    rotated = ((words >> (3 * q)) | (words << (32 - 3 * q))) & 0xFFFFFFFF
+    return rotated & 0x81C081C0
+
+
+def test_swizzled_words_decode_as_the_row_major_ones():
+    """SWIZZLED_BIT is a permutation of the 32 bits, swizzle_words / unswizzle_words invert each other
+    (also over more experts than one pass takes), tile_fp4 / untile_fp4 too, and the mma path's 9-operation
+    decode of a swizzled word gives exactly the 13-operation decode of the row-major word, for each of the
+    four code pairs (every bit pattern reaches each position across the random words)."""
+    assert sorted(fp4_tiles.SWIZZLED_BIT) == list(range(32))
+    gen = torch.Generator().manual_seed(11)
+    packed = torch.randint(0, 256, (fp4_tiles.SWIZZLE_CHUNK + 3, 64, 128), dtype=torch.uint8, generator=gen)
+    swizzled = fp4_tiles.swizzle_words(packed)
+    assert not torch.equal(swizzled, packed)
+    assert torch.equal(fp4_tiles.unswizzle_words(swizzled), packed)
+    assert torch.equal(fp4_tiles.untile_fp4(fp4_tiles.tile_fp4(packed)), packed)
+    row_major = packed.view(torch.int32).long() & 0xFFFFFFFF
+    tiled = swizzled.view(torch.int32).long() & 0xFFFFFFFF
+    for q in range(4):
+        assert torch.equal(_pair_bits_swizzled(tiled, q), _pair_bits_row_major(row_major, q)), q
+
+
 def test_tile_rejects_partial_tiles():
     with pytest.raises(ValueError, match="tiles of 32 rows"):
         fp4_tiles.tile_matrix(torch.zeros(1, 48, 64, dtype=torch.uint8), 64)
@@ -80,4 +115,18 @@ def test_tiled_op_checks():
         torch.ops.dsv4.fp4_moe(*_args(x, ids, weights, tiled_scale, None))
     got = torch.ops.dsv4.fp4_moe(*_args(x, ids, weights, tiled, None))
     want = moe.fp4_moe_reference(*_args(x, ids, weights, w, None))
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()  # f32 x: summation order only
+
+
+def test_tiled_experts_take_the_dequantising_dot_path():
+    """tl.dot_scaled reads the row-major packing, so on tiled (swizzled) experts the dot path dequantises
+    even where dot_scaled is asked for (the interpreter cannot run tl.dot_scaled: it would raise)."""
+    w = make_experts("mxfp4", 3, 128, 128, seed=41)
+    ids, weights = make_routing(4, 2, 3, "random", seed=41)
+    x = torch.randn(4, 128, generator=torch.Generator().manual_seed(42))
+    pair_out = torch.full((8, 128), float("nan"))
+    pairs = moe.fp4_moe_pairs_triton(*_args(x, ids, weights, tiled_experts(w), None), pair_out=pair_out,
+                                     use_dot_scaled=True, config=moe.TileConfig("dot", 16, 32, 32))
+    want = moe.fp4_moe_reference(*_args(x, ids, weights, w, None))
+    got = combine_pairs(pairs, ids, 3, x.dtype)
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()  # f32 x: summation order only

@@ -5,7 +5,7 @@ from torch import nn
 from dsv4_compile.fp4 import (dequantize_mxfp4, dequantize_nvfp4, experts_from_transformers, quantize_mxfp4,
                               quantize_nvfp4)
 from dsv4_compile.fp4_tiles import (TILE_COLS, TILE_ROWS, experts_split_into_tiles, is_tiled, tile_fp4,
-                                    untile_matrix)
+                                    untile_fp4)
 
 from .hotspots import moe_experts_fp4, moe_experts_gathered
 
@@ -69,7 +69,7 @@ class Fp4Experts(nn.Module):
 
     def dequantized(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [E, 2I, K], down [E, K, I]) in `dtype`."""
-        w13, w2 = (untile_matrix(self.w13), untile_matrix(self.w2)) if self.tiled else (self.w13, self.w2)
+        w13, w2 = (untile_fp4(self.w13), untile_fp4(self.w2)) if self.tiled else (self.w13, self.w2)
         if self.fmt == "mxfp4":
             return dequantize_mxfp4(w13, self.w13_scale, dtype), dequantize_mxfp4(w2, self.w2_scale, dtype)
         return (dequantize_nvfp4(w13, self.w13_scale, self.w13_global, dtype),

@@ -108,12 +108,12 @@ def moe_experts_fp4(
     Returns [M, K] in x's dtype.
     """
     from dsv4_compile.fp4 import dequantize_mxfp4, dequantize_nvfp4
-    from dsv4_compile.fp4_tiles import is_tiled, untile_matrix
+    from dsv4_compile.fp4_tiles import is_tiled, untile_fp4
 
     ids = topk_ids.long()
     w13_g, w2_g = w13[ids], w2[ids]
     if is_tiled(w13):
-        w13_g, w2_g = untile_matrix(w13_g), untile_matrix(w2_g)
+        w13_g, w2_g = untile_fp4(w13_g), untile_fp4(w2_g)
     if fmt == "mxfp4":
         gate_up_w = dequantize_mxfp4(w13_g, w13_scale[ids], x.dtype)
         down_w = dequantize_mxfp4(w2_g, w2_scale[ids], x.dtype)
