@@ -10,7 +10,7 @@ contiguous piece, made the mma kernels 1-7% slower on the H200: bench/RESULTS.md
 
 Within each 32-bit word (8 codes: code j at bits 4j..4j+3 of the little-endian word in the row-major
 form) the tiled layout also moves the 32 bits (`SWIZZLED_BIT`), so that the mma path decodes a word
-with 8 integer operations instead of 13 (kernels/fp4_moe.py, `_e2m1_pair_bits_swizzled`). Words never
+with 9 integer operations instead of 13 (kernels/fp4_moe.py, `_e2m1_pair_bits_swizzled`). Words never
 cross tile rows (a tile row is TILE_COLS / 8 words), so the two steps commute.
 
 Why: the fp4_moe kernels read a few weight rows x TILE_COLS values per K step. In the row-major
@@ -64,15 +64,17 @@ def _move_bits(words: torch.Tensor, groups: list[tuple[int, int]]) -> torch.Tens
 
 
 def _words(packed: torch.Tensor) -> torch.Tensor:
+    """Packed codes uint8 [E, ..., B] (B a multiple of 4) -> the same memory as int32 [E, ..., B/4]
+    (contiguous; a copy only where packed is not)."""
     if packed.dtype != torch.uint8 or packed.ndim < 2 or packed.shape[-1] % 4:
-        raise ValueError(f"packed FP4 codes must be uint8 [..., bytes] with a multiple of 4 bytes a row, got "
-                         f"{packed.dtype} {tuple(packed.shape)}")
+        raise ValueError(f"packed FP4 codes must be uint8 [experts, ..., bytes] with a multiple of 4 bytes a "
+                         f"row, got {packed.dtype} {tuple(packed.shape)}")
     return packed.contiguous().view(torch.int32)
 
 
 def swizzle_words(packed: torch.Tensor) -> torch.Tensor:
-    """Packed codes uint8 [E, ..., C/2] (row-major bit order) -> the same shape with each 32-bit word's
-    bits in the tiled layout's order (SWIZZLED_BIT). A new tensor, made SWIZZLE_CHUNK experts at a time."""
+    """Packed codes uint8 [E, ..., C/2] (row-major bit order) -> a new tensor of the same shape with each
+    32-bit word's bits in the tiled layout's order (SWIZZLED_BIT), made SWIZZLE_CHUNK experts at a time."""
     words = _words(packed)
     out = torch.empty_like(words)
     for start in range(0, words.shape[0], SWIZZLE_CHUNK):
@@ -124,7 +126,7 @@ def logical_shape(t: torch.Tensor) -> tuple[int, int, int] | None:
 def tile_fp4(packed: torch.Tensor) -> torch.Tensor:
     """Packed codes uint8 [E, R, C/2] -> the tiled form (module docstring: tiles, bits swizzled). R must be
     a multiple of TILE_ROWS and C of TILE_COLS."""
-    return swizzle_words(tile_matrix(packed, TILE_COLS // 2))
+    return swizzle_words(tile_matrix(packed, TILE_COLS // 2))  # tile_matrix may return packed itself
 
 
 def untile_fp4(tiled: torch.Tensor) -> torch.Tensor:

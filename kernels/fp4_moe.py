@@ -28,8 +28,9 @@ on GPUs with FP4 tensor cores); `choose_config` picks by average pairs per exper
 (grid (tiles, blocks)), the others block first.
 
 On the dot path weights are dequantised to the dot dtype (bf16 for bf16 x on GPU, f32 for f32 x
-and under the interpreter) before tl.dot; on sm_100+ MXFP4 uses tl.dot_scaled on the packed codes
-instead.
+and under the interpreter) before tl.dot; on sm_100+ MXFP4 in the row-major layout uses
+tl.dot_scaled on the packed codes instead. Tiled experts (whose words hold their bits swizzled,
+dsv4_compile/fp4_tiles.py) are launched as on GPUs without FP4 tensor cores.
 """
 from __future__ import annotations
 
@@ -228,22 +229,21 @@ def _block_scale(s_raw, IS_MX: tl.constexpr, TIMES: tl.constexpr):
 @triton.jit
 def _dequant_tile(w_ptr, s_ptr, rows, row_mask, k0, stride_w, stride_s,
                   BLOCK_K: tl.constexpr, GROUP: tl.constexpr, IS_MX: tl.constexpr, DOT_DTYPE: tl.constexpr, TILED: tl.constexpr):
-    """Rows `rows` [BN] x K columns [k0, k0+BLOCK_K) of a packed FP4 matrix -> [BN, BLOCK_K] DOT_DTYPE
-    (without the nvfp4 global scale)."""
+    """Rows `rows` [BN] x K columns [k0, k0+BLOCK_K) of a packed FP4 matrix (uint8, `stride_w` bytes a
+    logical row; TILED: the tiled layout, read as words) -> [BN, BLOCK_K] DOT_DTYPE (without the nvfp4
+    global scale)."""
     if TILED:  # whole words, their bits in the tiled layout's order
         jw = tl.arange(0, BLOCK_K // 8)
         words = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + _at(rows[:, None], (k0 // 8 + jw)[None, :], stride_w // 4,
                                                                    TILED, 8), mask=row_mask[:, None], other=0)
         c0, c4, c1, c5, c2, c6, c3, c7 = _decode_words(words, True)
-        # [BN, W, a, b, c] with code 4a + 2b + c (see `_scaled_pair`'s joins): K order
-        code_values = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
-        values = tl.reshape(code_values, (rows.shape[0], BLOCK_K))
+        # tl.join appends its dim last: [BN, W, a, b, c] holds code 4a + 2b + c, the K order
+        values = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
     else:
         half = tl.arange(0, BLOCK_K // 2)
-        packed = tl.load(w_ptr + _at(rows[:, None], (k0 // 2 + half)[None, :], stride_w, TILED, 2),
+        packed = tl.load(w_ptr + _at(rows[:, None], (k0 // 2 + half)[None, :], stride_w, False, 2),
                          mask=row_mask[:, None], other=0)
-        codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (rows.shape[0], BLOCK_K))
-        values = _e2m1_times_2pow_minus14(codes)
+        values = _e2m1_times_2pow_minus14(tl.join(packed & 0xF, packed >> 4))
     groups = tl.arange(0, BLOCK_K // GROUP)
     s_raw = tl.load(s_ptr + rows[:, None] * stride_s + (k0 // GROUP + groups)[None, :], mask=row_mask[:, None], other=0)
     scale = _block_scale(s_raw, IS_MX, 16384.0)
@@ -310,6 +310,7 @@ def _gate_up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     TILED: tl.constexpr,
 ):
+    tl.static_assert(not (USE_DOT_SCALED and TILED), "tl.dot_scaled reads row-major codes only")
     expert, rows, row_mask = _block_rows(tl.program_id(0), block_expert_ptr, block_start_ptr, block_end_ptr,
                                          BLOCK_M, False)
     if expert >= E:
@@ -357,6 +358,7 @@ def _down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     TILED: tl.constexpr,
 ):
+    tl.static_assert(not (USE_DOT_SCALED and TILED), "tl.dot_scaled reads row-major codes only")
     expert, rows, row_mask = _block_rows(tl.program_id(0), block_expert_ptr, block_start_ptr, block_end_ptr,
                                          BLOCK_M, False)
     if expert >= E:
@@ -387,7 +389,7 @@ def _down_kernel(
 # GEMV path: the rows of one expert block are few (decode), so no tl.dot. Each program streams a
 # [BLOCK_N, BLOCK_K] tile of packed weights as int32 words (8 codes each), decodes two codes per
 # instruction sequence (codes q and q+4 of a word sit 16 bits apart, so one shift-and-mask builds
-# an f16 pair) once per K step, then for each of its BLOCK_M rows multiplies them with that row's
+# an f16 pair; tiled words: `_e2m1_pair_bits_swizzled`, then one shift-and-mask) once per K step, then for each of its BLOCK_M rows multiplies them with that row's
 # activations and sums each scale group in registers; the group scale is applied once per group
 # and the cross-thread reduction over K happens once, after the K loop. Each row's activations are
 # loaded as their own [1, 1, BLOCK_K // 8] tensor: a [BLOCK_M, ...] activation load would make
@@ -614,10 +616,12 @@ def _down_gemv_kernel(
 # padding a block of a few pairs to BLOCK_M costs tensor-core work only. Each thread loads its own
 # packed words as 16-byte vectors (cp.async into shared memory, pipelined by num_stages, and read back
 # by the same thread), decodes them in registers straight into the MMA's A-operand layout and
-# multiplies by the group scale. In the sm_90 SASS the K loop issues about 6 instructions per weight
-# byte per thread (4.3 of them decoding; the GEMV loop issues about 10). Four choices make that work:
+# multiplies by the group scale. In the sm_90 SASS the K loop issued about 6 instructions per weight
+# byte per thread (4.3 of them decoding; the GEMV loop issues about 10) before the swizzled words.
+# Four choices make that work:
 # - e2m1 -> bf16 two codes at a time (`_e2m1_pair_bits`): the masked nibbles times 2**6 + 2**12 put a
-#   code's magnitude at bf16 bits 6..8 and its sign at bit 15 (value * 2**-126; code 0.5 lands on a
+#   code's magnitude at bf16 bits 6..8 and its sign at bit 15 (tiled experts hold each word's bits where
+#   `_e2m1_pair_bits_swizzled` finds them in fewer operations, fp4_tiles.SWIZZLED_BIT) (value * 2**-126; code 0.5 lands on a
 #   bf16 subnormal, exact) in each half of a 32-bit word; one bf16 multiply by scale * 2**62 (packed,
 #   `_scaled_pair`) makes the weight value * scale * 2**-64 (exact for ue8m0 scales in [2**-61, 2**65]
 #   and every finite e4m3 scale; a ue8m0 scale above 2**65 overflows to inf, NaN for code 0, where the
@@ -709,7 +713,7 @@ def _e2m1_pair_bits_swizzled(words, Q: tl.constexpr, zero):
 
 @triton.jit
 def _scaled_pair(bits, scale, DOT_DTYPE: tl.constexpr):
-    """Pair bits from `_e2m1_pair_bits` [...] times scale [..., 1] -> [..., 2] DOT_DTYPE (low, high)."""
+    """Pair bits from `_e2m1_pair_bits` or `_e2m1_pair_bits_swizzled` [...] times scale [..., 1] -> [..., 2] DOT_DTYPE (low, high)."""
     if DOT_DTYPE == tl.bfloat16:
         # As (low, high) bf16 pairs: ptxas issues one packed bf16 multiply per 32-bit word.
         low = (bits & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
@@ -768,8 +772,8 @@ def _mma_decode_weights(words, s_words, k0, zero,
                         IS_MX: tl.constexpr, GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, NUM_WARPS: tl.constexpr, KPACK: tl.constexpr, SWIZZLED: tl.constexpr):
     """`_mma_load_weights`' words and scale words of the tile at k0 -> [BLOCK_N, BLOCK_K] DOT_DTYPE
-    value * scale * 2**-64 (without the nvfp4 global scale), columns in the MMA path's order. `zero`: see
-    `_cta_zero`."""
+    value * scale * 2**-64 (without the nvfp4 global scale), columns in the MMA path's order; SWIZZLED:
+    the words of the tiled layout (fp4_tiles.SWIZZLED_BIT). `zero`: see `_cta_zero`."""
     U: tl.constexpr = BLOCK_K // 32
     WPG: tl.constexpr = GROUP // 8
     REP: tl.constexpr = BLOCK_N // (16 * NUM_WARPS)
@@ -1202,11 +1206,13 @@ class TileConfig:
 # also won at M=8 (48 pairs over 256 experts, of which a few share an expert and are read twice):
 # MXFP4 -8.1 us of 212.5, NVFP4 -8.9 of 226.8, paired (with gate/up split in two only -4.5 / -7.1), so
 # `mma_few` is `mma_small` with direct blocks up to FEW_MAX_PAIRS pairs while the experts are at
-# least 4x the pairs (a kernel measurement; no step was timed at B=2..8).
+# least 4x the pairs (a kernel measurement; no step was timed at B=2..8). With the tiled layout's
+# swizzled words (twenty-first session) these defaults stayed best, timed paired at M=64 (asm scales,
+# caps 128 / 96, the 32-row class) and M=256 (caps 176 / 128, 144 / 104, none, tl.load scales).
 # Beyond 16 pairs per expert (prefill) both formats
 # take 64-row dot blocks. Where FP4
-# tensor cores exist (sm_100+) MXFP4 takes GEMV up to GEMV_MAX_ROWS and the dot path above, which
-# uses tl.dot_scaled there (as do K or I that are not multiples of 32). The mma path's exactness
+# tensor cores exist (sm_100+) row-major MXFP4 takes GEMV up to GEMV_MAX_ROWS and the dot path above,
+# which uses tl.dot_scaled there (as do K or I that are not multiples of 32). The mma path's exactness
 # range is in the MMA path comment (ue8m0 scales up to 2**65; the model's experts are checked once,
 # see check_mxfp4_scale_range).
 GEMV_MAX_ROWS = 2
@@ -1304,7 +1310,8 @@ def fp4_moe_pairs_triton(
     """Launch both kernels. Returns pair_out [M*k, K] f32, rows of skipped pairs left unwritten.
 
     `pair_out` may be passed pre-poisoned (tests); `use_dot_scaled` overrides the arch choice of
-    the dot path; `config` overrides `choose_config` (tests force a path, the bench sweeps).
+    the dot path for row-major experts (tiled ones never take it); `config` overrides `choose_config`
+    (tests force a path, the bench sweeps).
     """
     tokens, hidden = x.shape
     experts, two_inter, _ = logical_shape(w13)
@@ -1313,11 +1320,12 @@ def fp4_moe_pairs_triton(
     pairs = tokens * top_k
     interpreted = not x.is_cuda
     dot_dtype = tl.float32 if (interpreted or x.dtype == torch.float32) else tl.bfloat16
-    native_fp4 = native_fp4_dot(x, fmt)
+    # tl.dot_scaled takes the row-major packing; tiled words hold their bits swizzled, so tiled experts
+    # are launched as where no FP4 tensor cores exist (on the H200 a tiled dot_scaled operand rebuilt in
+    # registers gave wrong sums: bench/RESULTS.md, twenty-first session).
+    native_fp4 = native_fp4_dot(x, fmt) and not tiled
     if use_dot_scaled is None:
         use_dot_scaled = native_fp4
-    # tl.dot_scaled takes the row-major packing; tiled words hold their bits swizzled, so the dot path
-    # dequantises them (on the H200 a tiled dot_scaled operand rebuilt in registers gave wrong sums).
     use_dot_scaled = use_dot_scaled and not tiled
     if config is None:
         config = choose_config(pairs, experts, fmt, native_fp4, mma_fits=hidden % 32 == 0 and inter % 32 == 0)

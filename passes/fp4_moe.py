@@ -114,6 +114,8 @@ def _expert_weights(region: set[Node], hidden: int, first: bool):
     packed = sorted(packed, key=lambda g: shape[g][2], reverse=True)
     if len(packed) > 2 or (len(packed) == 2 and shape[packed[1]][2] * 16 != shape[packed[0]][2]):
         raise _Decline("several packed uint8 expert gathers")
+    if _val(packed[0].args[0]).ndim == 5 and not any(n.target == aten.bitwise_or.Tensor for n in region):
+        raise _Decline("tiled codes read without their words' bits unswizzled (fp4_tiles.untile_fp4)")
     ids = packed[0].args[1][0]
     rows, cols = shape[packed[0]][1], 2 * shape[packed[0]][2]
     scales = [g for g in gathers if g is not packed[0] and g.args[1][0] is ids and _val(g.args[0]).ndim == 3

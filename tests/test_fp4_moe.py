@@ -316,8 +316,9 @@ def test_size_class_rule(tokens, mxfp4, nvfp4, mxfp4_native):
     """V4-Flash (E=256, k=6): decode and verify take the mma path (16 weight rows a program and a
     one-warp down for one token's 6 pairs; 16 for gate/up and 128 rows on 4 warps for down up to two
     pairs per expert, M <= 85, with one block a pair up to 48 pairs; 32 up to 16 pairs per expert), except MXFP4 on GPUs with FP4 tensor
-    cores (GEMV up to 2 pairs, then tl.dot_scaled); prefill takes 64-row dot blocks. NVFP4 never
-    uses tl.dot_scaled, so `native` leaves it alone."""
+    cores (GEMV up to 2 pairs, then tl.dot_scaled; row-major experts only, the launcher passes native=False
+    for tiled ones); prefill takes 64-row dot blocks. NVFP4 never uses tl.dot_scaled, so `native` leaves
+    it alone."""
     pairs, experts = tokens * 6, 256
     cases = (("mxfp4", False, mxfp4), ("nvfp4", False, nvfp4), ("mxfp4", True, mxfp4_native),
              ("nvfp4", True, nvfp4))
@@ -435,6 +436,7 @@ _MMA_CROSS_COMPILE = """
 import sys, types, dataclasses, torch, triton.language as tl
 sys.path[:0] = ["bench"]
 from bench_sparse_mla import cross_compile
+from dsv4_compile.fp4_tiles import tile_fp4
 from dsv4_compile.kernels import fp4_moe as moe
 print("module", moe.__file__)
 launches = []
@@ -455,11 +457,12 @@ for fmt in ("mxfp4", "nvfp4"):
     dtype = torch.uint8 if fmt == "mxfp4" else torch.float8_e4m3fn
     s13, s2 = torch.zeros(2, 256, 128 // group, dtype=dtype), torch.zeros(2, 128, 128 // group, dtype=dtype)
     glob = None if fmt == "mxfp4" else torch.ones(2)
-    for asm in (False, True):
+    for asm, tiled in ((False, True), (True, False), (True, True)):
         launches.clear()
         config = dataclasses.replace(moe.DEFAULT_CONFIGS["mma"], scale_asm=asm)
+        codes13, codes2 = (tile_fp4(w13), tile_fp4(w2)) if tiled else (w13, w2)
         moe.fp4_moe_pairs_triton(torch.zeros(2, 128, dtype=torch.bfloat16), torch.zeros(2, 6, dtype=torch.int32),
-                                 torch.ones(2, 6), w13, s13, w2, s2, fmt, glob, glob, None, config=config)
+                                 torch.ones(2, 6), codes13, s13, codes2, s2, fmt, glob, glob, None, config=config)
         gate_up_caps, down_caps = moe.register_caps(config, interpreted=False)
         for launch in launches:
             # as the launcher passes them on a GPU (planned on CPU, it passes the interpreter's)
@@ -469,7 +472,7 @@ for fmt in ("mxfp4", "nvfp4"):
                 compiled = cross_compile(launch, cap)
                 ptx = compiled.asm["ptx"]
                 maxnreg = ptx.split(".maxnreg", 1)[1].split()[0] if ".maxnreg" in ptx else "none"
-                print(fmt, asm, launch.kernel.fn.__name__, cap, compiled.metadata.shared,
+                print(fmt, asm, tiled, launch.kernel.fn.__name__, cap, compiled.metadata.shared,
                       ptx.count("ld.global.nc.b32"), maxnreg)
 """
 
@@ -478,18 +481,20 @@ def test_mma_defaults_cross_compile_for_sm90_and_sm120():
     """What the interpreter never runs (the launcher turns both off there): TileConfig.scale_asm's
     inline-asm scale loads and the 32-row class's register caps. Compile both mma kernels of that class
     with and without the asm loads (no GPU needed, in a process without TRITON_INTERPRET) for sm_90 and
-    sm_120, with the launch options the launcher gives a GPU. With the asm loads the PTX holds them,
+    sm_120, with the launch options the launcher gives a GPU, on tiled experts (the swizzled decode) and
+    row-major ones (with the asm loads). With the asm loads the PTX holds them,
     without them none; the PTX caps each kernel's registers at its config's cap (.maxnreg); all stay
     within sm_120's 101,376 B of shared memory. (The H200 checked the outputs of both forms bit for bit
     against the plain ones: bench/RESULTS.md, twelfth and thirteenth sessions.)"""
     rows = run_compiled_script(_MMA_CROSS_COMPILE, moe.__file__)
-    assert sorted(tuple(r[:4]) for r in rows) == sorted(
-        (fmt, asm, kernel, cap) for fmt in ("mxfp4", "nvfp4") for asm in ("False", "True")
+    assert sorted(tuple(r[:5]) for r in rows) == sorted(
+        (fmt, asm, tiled, kernel, cap) for fmt in ("mxfp4", "nvfp4")
+        for asm, tiled in (("False", "True"), ("True", "False"), ("True", "True"))
         for kernel in ("_gate_up_mma_kernel", "_down_mma_kernel") for cap in ("90", "120"))
     config = moe.DEFAULT_CONFIGS["mma"]
     want_caps = {"_gate_up_mma_kernel": config.max_regs, "_down_mma_kernel": config.down_max_regs}
     assert all(want_caps.values())
-    for fmt, asm, kernel, cap, shared, asm_loads, maxnreg in rows:
+    for fmt, asm, _, kernel, cap, shared, asm_loads, maxnreg in rows:
         assert int(shared) <= 101_376
         assert (int(asm_loads) > 0) == (asm == "True"), (fmt, asm, kernel, cap, asm_loads)
         assert maxnreg == str(want_caps[kernel]), (fmt, asm, kernel, cap, maxnreg)

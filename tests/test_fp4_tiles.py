@@ -56,6 +56,10 @@ def test_swizzled_words_decode_as_the_row_major_ones():
     assert not torch.equal(swizzled, packed)
     assert torch.equal(fp4_tiles.unswizzle_words(swizzled), packed)
     assert torch.equal(fp4_tiles.untile_fp4(fp4_tiles.tile_fp4(packed)), packed)
+    one_tile_column = packed[:2, :, :64].contiguous()  # tile_matrix returns such a tensor itself
+    before = one_tile_column.clone()
+    assert torch.equal(fp4_tiles.untile_fp4(fp4_tiles.tile_fp4(one_tile_column)), before)
+    assert torch.equal(one_tile_column, before)
     row_major = packed.view(torch.int32).long() & 0xFFFFFFFF
     tiled = swizzled.view(torch.int32).long() & 0xFFFFFFFF
     for q in range(4):
@@ -76,8 +80,9 @@ CONFIGS = [moe.TileConfig("mma", 8, 16, 32, num_warps=1, prefetch=True), moe.Til
 @pytest.mark.parametrize("config", CONFIGS, ids=["mma_prefetch", "mma", "gemv_prefetch", "dot"])
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 def test_tiled_experts_give_the_same_outputs(config, fmt):
-    """Each path on tiled experts writes exactly what it writes on the row-major ones (the same
-    arithmetic in the same order, only the addresses differ), and both match the reference."""
+    """Each path on tiled experts writes exactly what it writes on the row-major ones (the same products
+    in the same order: only the addresses and the exact decode of the swizzled words differ), and both
+    match the reference."""
     experts, hidden, inter, tokens, top_k = 3, 128, 128, 4, 2
     w = make_experts(fmt, experts, hidden, inter, seed=31)
     tiled = tiled_experts(w)
@@ -130,3 +135,21 @@ def test_tiled_experts_take_the_dequantising_dot_path():
     want = moe.fp4_moe_reference(*_args(x, ids, weights, w, None))
     got = combine_pairs(pairs, ids, 3, x.dtype)
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()  # f32 x: summation order only
+
+
+def test_tiled_experts_are_launched_as_without_fp4_tensor_cores(monkeypatch):
+    """Where FP4 tensor cores exist (native_fp4_dot, forced here) row-major MXFP4 experts get the native
+    size classes, tiled ones the classes of a GPU without them (the mma path), since tl.dot_scaled cannot
+    read their swizzled words; both give the reference's answer."""
+    monkeypatch.setattr(moe, "native_fp4_dot", lambda x, fmt: fmt == "mxfp4")
+    chosen = []
+    choose = moe.choose_config
+    monkeypatch.setattr(moe, "choose_config", lambda *args, **kw: chosen.append(args[3]) or choose(*args, **kw))
+    w = make_experts("mxfp4", 4, 128, 128, seed=43)
+    ids, weights = make_routing(2, 2, 4, "random", seed=43)
+    x = torch.randn(2, 128, generator=torch.Generator().manual_seed(44))
+    want = moe.fp4_moe_reference(*_args(x, ids, weights, w, None))
+    for experts_in in (w, tiled_experts(w)):
+        got = combine_pairs(moe.fp4_moe_pairs_triton(*_args(x, ids, weights, experts_in, None)), ids, 4, x.dtype)
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max()  # f32 x: summation order only
+    assert chosen == [True, False]

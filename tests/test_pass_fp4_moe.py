@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dsv4_compile import fp4
+from dsv4_compile import fp4, fp4_tiles
 from dsv4_compile.fp4_tiles import tile_fp4
 from dsv4_compile.model.hotspots import moe_experts_fp4, moe_experts_gathered
 from dsv4_compile.passes import fp4_moe as fp4_pass
@@ -86,6 +86,24 @@ def test_tiled_experts_rewritten(fmt, tokens):
     want = moe_step(x, ids, weights, *weights_args, None)
     assert hook.rewrites == 1 and report.count(fp4_pass.PASS_NAME) == 1
     assert torch.ops.dsv4.fp4_moe.default in hook.targets
+    assert (got - want).abs().max() <= TOL[torch.float32] * want.abs().max()
+
+
+def test_tiled_codes_without_the_unswizzle_are_declined(monkeypatch):
+    """5-D codes put back in row order by views and a copy alone (no word unswizzle) do not hold the
+    tiled layout's bits the kernels decode: the pass declines and says why, and the graph keeps its math."""
+    monkeypatch.setattr(fp4_tiles, "untile_fp4", fp4_tiles.untile_matrix)
+    w = make_experts("mxfp4", 2, 128, 128, seed=6)
+    tiled = (fp4_tiles.tile_matrix(w["w13"], 64), w["w13_scale"], fp4_tiles.tile_matrix(w["w2"], 64),
+             w["w2_scale"], "mxfp4", None, None)
+    gen = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, 2, (2, TOP_K), generator=gen, dtype=torch.int32)
+    weights = torch.rand(2, TOP_K, generator=gen) + 0.1
+    x = torch.randn(2, 1, 128, generator=gen)
+    compiled, hook, report = compile_with_pass(moe_step)
+    got = compiled(x, ids, weights, *tiled, None)
+    assert hook.rewrites == 0 and "unswizzled" in str(report)
+    want = moe_step(x, ids, weights, *tiled, None)
     assert (got - want).abs().max() <= TOL[torch.float32] * want.abs().max()
 
 

@@ -104,7 +104,7 @@ def moe_experts_fp4(
     w2 [E, K, I/2] uint8 packed e2m1; fmt "mxfp4" (scales uint8 ue8m0 [E, rows, cols/32],
     globals None) or "nvfp4" (scales e4m3 [E, rows, cols/16], globals [E] f32). w13 and w2 may
     both be in the tiled layout (dsv4_compile.fp4_tiles): the gathered tiles are put back in row
-    order before dequantising.
+    order, each word's bits unswizzled, before dequantising.
     Returns [M, K] in x's dtype.
     """
     from dsv4_compile.fp4 import dequantize_mxfp4, dequantize_nvfp4
