@@ -1,4 +1,5 @@
-"""Cross-compile the mma kernels (HEAD module vs this tree) for sm_90 and count SASS instructions."""
+"""Session 21: cross-compile the mma kernels (the HEAD module on plain tiles vs this tree on swizzled tiles) for
+sm_90 and count SASS instructions (cuobjdump), registers and spills (ptxas -v). Usage: s21_sass.py mxfp4|nvfp4"""
 import sys, types, dataclasses, subprocess, tempfile, os, importlib.util
 import torch, triton, triton.language as tl
 sys.path[:0] = ["bench", "tmp_gpu"]
@@ -34,7 +35,7 @@ def launches_of(mod, tile, config):
     return launches
 
 for label, mod, tile in (("head", old, lambda t: tile_matrix(t, TILE_COLS // 2)), ("new", new, tile_fp4)):
-    for cname in ("mma", "mma_small"):
+    for cname in ("mma", "mma_small", "mma_small+asm"):
         config = mod.DEFAULT_CONFIGS[cname.split("+")[0]]
         if cname.endswith("+asm"):
             config = dataclasses.replace(config, scale_asm=True)
