@@ -712,6 +712,16 @@ def _e2m1_pair_bits_swizzled(words, Q: tl.constexpr, zero):
 
 
 @triton.jit
+def _pair_bits(words, Q: tl.constexpr, zero, SWIZZLED: tl.constexpr):
+    """`_e2m1_pair_bits_swizzled` for words of the tiled layout (SWIZZLED), else `_e2m1_pair_bits`."""
+    if SWIZZLED:
+        bits = _e2m1_pair_bits_swizzled(words, Q, zero)
+    else:
+        bits = _e2m1_pair_bits(words, Q, zero)
+    return bits
+
+
+@triton.jit
 def _scaled_pair(bits, scale, DOT_DTYPE: tl.constexpr):
     """Pair bits from `_e2m1_pair_bits` or `_e2m1_pair_bits_swizzled` [...] times scale [..., 1] -> [..., 2] DOT_DTYPE (low, high)."""
     if DOT_DTYPE == tl.bfloat16:
@@ -794,16 +804,10 @@ def _mma_decode_weights(words, s_words, k0, zero,
     scale = _block_scale(tl.reshape(s_raw, (4, 8, NUM_WARPS, 2, REP, SPQ)), IS_MX, 2.0**62)
     scale = tl.reshape(scale, (4, 8, NUM_WARPS, 2, REP, SPQ, 1, 1))
     w = tl.reshape(words.to(tl.uint32, bitcast=True), (4, 8, NUM_WARPS, 2, REP, SPQ, U // SPQ))
-    if SWIZZLED:
-        pairs = tl.join(tl.join(_scaled_pair(_e2m1_pair_bits_swizzled(w, 0, zero), scale, DOT_DTYPE),
-                                _scaled_pair(_e2m1_pair_bits_swizzled(w, 1, zero), scale, DOT_DTYPE)),
-                        tl.join(_scaled_pair(_e2m1_pair_bits_swizzled(w, 2, zero), scale, DOT_DTYPE),
-                                _scaled_pair(_e2m1_pair_bits_swizzled(w, 3, zero), scale, DOT_DTYPE)))
-    else:
-        pairs = tl.join(tl.join(_scaled_pair(_e2m1_pair_bits(w, 0, zero), scale, DOT_DTYPE),
-                                _scaled_pair(_e2m1_pair_bits(w, 1, zero), scale, DOT_DTYPE)),
-                        tl.join(_scaled_pair(_e2m1_pair_bits(w, 2, zero), scale, DOT_DTYPE),
-                                _scaled_pair(_e2m1_pair_bits(w, 3, zero), scale, DOT_DTYPE)))
+    pairs = tl.join(tl.join(_scaled_pair(_pair_bits(w, 0, zero, SWIZZLED), scale, DOT_DTYPE),
+                            _scaled_pair(_pair_bits(w, 1, zero, SWIZZLED), scale, DOT_DTYPE)),
+                    tl.join(_scaled_pair(_pair_bits(w, 2, zero, SWIZZLED), scale, DOT_DTYPE),
+                            _scaled_pair(_pair_bits(w, 3, zero, SWIZZLED), scale, DOT_DTYPE)))
     pairs = tl.reshape(pairs, (4, 8, NUM_WARPS, 2, REP, U, 2, 2, 2))  # [q, lane_row, warp, half, rep, u, a, b, c]
     if KPACK == 1:
         pairs = tl.permute(pairs, (4, 2, 3, 1, 5, 8, 7, 0, 6))  # rows (rep, warp, half, lane_row), k (u, c, b, q, a)

@@ -20,7 +20,7 @@ import operator
 import torch
 from torch.fx import Graph, Node
 
-from dsv4_compile.fp4_tiles import logical_shape
+from dsv4_compile.fp4_tiles import is_tiled, logical_shape
 from dsv4_compile.passes.fx_match import Decline, is_bmm, match_bmm
 
 logger = logging.getLogger("dsv4_compile")
@@ -114,7 +114,7 @@ def _expert_weights(region: set[Node], hidden: int, first: bool):
     packed = sorted(packed, key=lambda g: shape[g][2], reverse=True)
     if len(packed) > 2 or (len(packed) == 2 and shape[packed[1]][2] * 16 != shape[packed[0]][2]):
         raise _Decline("several packed uint8 expert gathers")
-    if _val(packed[0].args[0]).ndim == 5 and not any(n.target == aten.bitwise_or.Tensor for n in region):
+    if is_tiled(_val(packed[0].args[0])) and not any(n.target == aten.bitwise_or.Tensor for n in region):
         raise _Decline("tiled codes read without their words' bits unswizzled (fp4_tiles.untile_fp4)")
     ids = packed[0].args[1][0]
     rows, cols = shape[packed[0]][1], 2 * shape[packed[0]][2]
