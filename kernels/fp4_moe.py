@@ -1210,7 +1210,11 @@ class TileConfig:
 # also won at M=8 (48 pairs over 256 experts, of which a few share an expert and are read twice):
 # MXFP4 -8.1 us of 212.5, NVFP4 -8.9 of 226.8, paired (with gate/up split in two only -4.5 / -7.1), so
 # `mma_few` is `mma_small` with direct blocks up to FEW_MAX_PAIRS pairs while the experts are at
-# least 4x the pairs (a kernel measurement; no step was timed at B=2..8). With the tiled layout's
+# least 4x the pairs (a kernel measurement; no step was timed at B=2..8). Since the grouping takes one
+# program (twentieth session), the expert blocks win back from 48 pairs (M=8: -5.5 to -10.8 us of
+# 186-199, paired in two runs; 3-6 of 48 pairs shared an expert and were read twice with direct
+# blocks), while direct blocks still win at 12 and 24 pairs (M=2, 4: 3.3 to 5.4 us); so FEW_MAX_PAIRS is
+# 24 (RESULTS.md "Twenty-second session"; 30 to 42 pairs not timed). With the tiled layout's
 # swizzled words (twenty-first session) these defaults stayed best, timed paired at M=64 (asm scales,
 # caps 128 / 96, the 32-row class) and M=256 (caps 176 / 128, 144 / 104, none, tl.load scales).
 # Beyond 16 pairs per expert (prefill) both formats
@@ -1222,7 +1226,7 @@ class TileConfig:
 GEMV_MAX_ROWS = 2
 DENSE_MIN_ROWS = 17
 TOKEN_MAX_PAIRS = 8  # measured: 6 pairs lose with the 128-row down, 12 gain
-FEW_MAX_PAIRS = 48  # measured at 48 (M=8, k=6); above it more pairs share an expert
+FEW_MAX_PAIRS = 24  # measured: direct blocks win at 12 and 24 pairs, expert blocks at 48
 DEFAULT_CONFIGS = {
     "gemv": TileConfig("gemv", 1, 16, 512, num_warps=4, prefetch=True),
     "mma_token": TileConfig("mma", 8, 16, 128, num_warps=1, num_stages=1, prefetch=True, k_splits=2,

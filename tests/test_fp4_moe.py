@@ -306,7 +306,8 @@ def test_all_tokens_on_one_expert(config):
 @pytest.mark.parametrize(
     "tokens, mxfp4, nvfp4, mxfp4_native",
     [(1, "mma_token", "mma_token", "gemv"), (2, "mma_few", "mma_few", "gemv"),
-     (8, "mma_few", "mma_few", "gemv"), (9, "mma_small", "mma_small", "gemv"), (42, "mma_small", "mma_small", "gemv"),
+     (4, "mma_few", "mma_few", "gemv"), (5, "mma_small", "mma_small", "gemv"), (8, "mma_small", "mma_small", "gemv"),
+     (42, "mma_small", "mma_small", "gemv"),
      (43, "mma_small", "mma_small", "gemv"), (64, "mma_small", "mma_small", "gemv"),
      (85, "mma_small", "mma_small", "gemv"),
      (86, "mma", "mma", "dot16"), (256, "mma", "mma", "dot16"), (682, "mma", "mma", "dot16"),
@@ -315,7 +316,7 @@ def test_all_tokens_on_one_expert(config):
 def test_size_class_rule(tokens, mxfp4, nvfp4, mxfp4_native):
     """V4-Flash (E=256, k=6): decode and verify take the mma path (16 weight rows a program and a
     one-warp down for one token's 6 pairs; 16 for gate/up and 128 rows on 4 warps for down up to two
-    pairs per expert, M <= 85, with one block a pair up to 48 pairs; 32 up to 16 pairs per expert), except MXFP4 on GPUs with FP4 tensor
+    pairs per expert, M <= 85, with one block a pair up to 24 pairs; 32 up to 16 pairs per expert), except MXFP4 on GPUs with FP4 tensor
     cores (GEMV up to 2 pairs, then tl.dot_scaled; row-major experts only, the launcher passes native=False
     for tiled ones); prefill takes 64-row dot blocks. NVFP4 never uses tl.dot_scaled, so `native` leaves
     it alone."""
@@ -330,7 +331,8 @@ def test_size_class_rule(tokens, mxfp4, nvfp4, mxfp4_native):
 
 
 @pytest.mark.parametrize("pairs, experts, expected", [(8, 256, "mma_token"), (9, 256, "mma_few"),
-                                                      (48, 256, "mma_few"), (49, 256, "mma_small"),
+                                                      (24, 256, "mma_few"), (25, 256, "mma_small"),
+                                                      (48, 256, "mma_small"),
                                                       (9, 35, "mma_small"), (9, 36, "mma_few"),
                                                       (8, 4, "mma_token"), (9, 4, "mma"), (8, 2, "mma"),
                                                       (0, 256, "mma_token")])
@@ -338,7 +340,7 @@ def test_size_class_token_boundary(pairs, experts, expected):
     """One decode token's choices (at most TOKEN_MAX_PAIRS pairs) keep the one-warp down unless the
     experts are so few that the average is above 2 pairs: then the 32-row class, as before. Up to
     FEW_MAX_PAIRS pairs over at least 4x as many experts, one block a pair (`mma_few`)."""
-    assert moe.TOKEN_MAX_PAIRS == 8 and moe.FEW_MAX_PAIRS == 48
+    assert moe.TOKEN_MAX_PAIRS == 8 and moe.FEW_MAX_PAIRS == 24
     for fmt in ("mxfp4", "nvfp4"):
         assert moe.size_class(pairs, experts, fmt) == expected, fmt
 
