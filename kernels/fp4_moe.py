@@ -1188,9 +1188,12 @@ class TileConfig:
 # prefetch). The 32-row class loads its scale words by inline asm (scale_asm): in the B=64 step, timed
 # paired against the tl.load form, -74 us of 4,269 (-1.7%); the 16-row class keeps tl.load (+5 us at
 # B=1, +18 us at B=8; RESULTS.md "Twelfth session"). The 32-row class also caps registers at 160
-# (gate/up; 171 uncapped for MXFP4, 255 for NVFP4 on sm_90) and 112 (down; 128): an SM holds more of
-# the one-warp programs. Timed paired in the B=64 step: -68 to -74 us of ~4,300 at T=1, -178 us of
-# 7,699 at T=4; 144 (spills) cost +845 us, 176 +62, down at 96 +72 (RESULTS.md "Thirteenth session").
+# (gate/up) and 112 (down): an SM holds more of the one-warp programs. Compiled for sm_90 at V4-Flash sizes
+# (K=4096, I=2048; the loops' trip counts matter) down takes 183 / 192 registers uncapped (MXFP4 / NVFP4)
+# and spills 260 / 332 bytes at 112, NVFP4 gate/up 28 bytes at 160; uncapped down was still 15 / 28 us
+# slower at M=256 (RESULTS.md "Twenty-second session"). Timed paired in the B=64 step: -68 to -74 us
+# of ~4,300 at T=1, -178 us of 7,699 at T=4; 144 cost +845 us, 176 +62, down at 96 +72 (RESULTS.md
+# "Thirteenth session").
 # At 2 pairs per expert (M = 43..85 at k=6: the B=64 decode step) gate/up took 16 weight rows and
 # down 64 rows on 2 warps, without asm scales or caps: timed paired against the 32-row class at M=48,
 # 64, 80, MXFP4 -1.7 / -1.3 / -0.4%, NVFP4 -2.8 / -3.3 / -2.3%, and in the B=64 T=1 step -41 us of
