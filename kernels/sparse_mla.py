@@ -703,13 +703,17 @@ DEFAULT_TILES = {
     # take 102,400 B of shared memory, over sm_120's 101,376).
     "bf16_wide": (32, 0, 32, 4, 2, 0, True, True),
     "fp8": (16, 0, 32, 8, 1, 0, False, True),
+    # FP8 rows on grids of at least half a wave at 16 heads, more than 16 heads: 32 heads a program
+    # (98,304 B of shared memory, 240-245 registers on sm_90 and sm_120, no spills).
+    "fp8_wide": (32, 0, 32, 8, 1, 0, False, True),
 }
 
 
 def pick_config(batch: int, tokens: int, heads: int, head_dim: int, num_idx_total: int,
                 device: torch.device, num_splits: int | None = None, fp8_rows: bool = False) -> LaunchConfig:
     """The launch config for these shapes: DEFAULT_TILES of the row format (16 heads of one token a
-    program, all value columns; "bf16_wide" for bf16 rows on grids wider than one wave).
+    program, all value columns; "bf16_wide" for bf16 rows on grids wider than one wave, "fp8_wide"
+    for FP8 rows on grids of at least half a wave with more than 16 heads).
 
     H200, B=64, H=64, Dh 512, bf16 rows, one tile loop over both pools (bench/RESULTS.md
     "Seventeenth session"): BLOCK_N 64 on 2 stages against the sixth session's 32 on 3, CSA at
@@ -719,12 +723,19 @@ def pick_config(batch: int, tokens: int, heads: int, head_dim: int, num_idx_tota
     "Sixth session"): index loads outside the pipeliner (idx_asm) and two 256-column halves (kv_halves, two
     shorter QK chains) won; 8 warps, 64 heads in one program (wgmma) and BLOCK_N 16 lost. FP8 rows:
     8 warps, 1 stage (81,920 B), kv_halves: 155.7 / 567.2 us (186.5 / 697.3 without; the
-    in-register dequantisation spills with more heads or stages). Small grids split the index
-    positions (split-K) so that about two programs run per SM.
+    in-register dequantisation spills with more heads or stages). 32 heads on FP8 rows, paired
+    against 16 ("Twenty-third session", us): CSA B=64 T=1 111.7 against 146.3, T=4 368.7 against
+    580.3, HCA at 128K B=64 T=1 184.8 against 266.0, CSA B=16 T=2 71.1 against 81.5 (128
+    programs at 16 heads); lost at B=1 (16.7 against 13.5: 4 programs) and with H=16 (68.2 against
+    55.5); grids of 5 to 127 programs were not timed. Small grids split the index positions
+    (split-K) so that about two programs run per SM.
     """
     key = "fp8" if fp8_rows else "bf16"
-    if key == "bf16" and batch * tokens * triton.cdiv(heads, DEFAULT_TILES[key][0]) > 2 * _sm_count(device):
+    programs16 = batch * tokens * triton.cdiv(heads, DEFAULT_TILES[key][0])
+    if key == "bf16" and programs16 > 2 * _sm_count(device):
         key = "bf16_wide"
+    elif key == "fp8" and heads > DEFAULT_TILES[key][0] and 2 * programs16 >= _sm_count(device):
+        key = "fp8_wide"
     h_block, block_dv, block_n, num_warps, num_stages, max_splits, idx_asm, kv_halves = DEFAULT_TILES[key]
     block_d = triton.next_power_of_2(head_dim)
     block_dv = min(block_dv or block_d, block_d)

@@ -282,13 +282,13 @@ def test_bad_input_raises_value_error_naming_the_argument(case):
 # ----------------------------------------------------------------------------- forced configs
 
 # (h_block, value-column blocks, block_n, num_warps, num_stages, idx_asm, kv_halves):
-# pick_config's defaults (16 heads; 4 warps 3 stages for bf16, 8 warps 1 stage for FP8) and the
-# bench's sweep shapes. The interpreter skips the inline-asm index loads (GPU-only PTX): idx_asm
+# pick_config's FP8-row tiles of wide grids (32 heads, 8 warps, 1 stage) and the bench's sweep
+# shapes. The interpreter skips the inline-asm index loads (GPU-only PTX): idx_asm
 # here checks the plumbing and that the compiled path's tile loop bounds are the same code;
 # test_gpu_only_paths_cross_compile checks the PTX. kv_halves changes the arithmetic (two column
 # halves) and runs here.
 FORCED = [(64, 2, 32, 8, 2, False, False), (16, 1, 32, 8, 1, False, False),
-          (16, 1, 32, 4, 2, False, False), (16, 1, 16, 8, 4, False, False),
+          (32, 1, 32, 8, 1, False, True), (16, 1, 32, 4, 2, False, False), (16, 1, 16, 8, 4, False, False),
           (16, 2, 64, 8, 1, False, False), (64, 1, 16, 8, 3, False, False),
           (16, 1, 32, 4, 3, True, True), (16, 1, 16, 8, 3, True, True)]
 
@@ -355,18 +355,27 @@ def test_kv_halves_needs_all_value_columns():
         sparse_mla_triton(*args, config=LaunchConfig(16, 64, 32, 1, 4, 2, kv_halves=True))
 
 
-@pytest.mark.parametrize("fp8_rows, tokens, want", [
-    (False, 1, (16, 512, 64, 4, 2, True, True)),  # bf16 rows, one wave: 16 heads, 64-row tiles; 83,968 B
-    (False, 4, (32, 512, 32, 4, 2, True, True)),  # bf16 rows, four waves at 16 heads: 32 heads, 32-row tiles
-    (True, 4, (16, 512, 32, 8, 1, False, True)),  # FP8 rows: 1 stage, two halves, 81,920 B, no spills
+@pytest.mark.parametrize("fp8_rows, batch, tokens, heads, want, splits", [
+    # bf16 rows, one wave: 16 heads, 64-row tiles; 83,968 B
+    (False, 64, 1, 64, (16, 512, 64, 4, 2, True, True), 1),
+    # bf16 rows, four waves at 16 heads: 32 heads, 32-row tiles
+    (False, 64, 4, 64, (32, 512, 32, 4, 2, True, True), 1),
+    # FP8 rows, 256 or more programs at 16 heads: 32 heads, 1 stage, two halves, 98,304 B; 128
+    # programs at T=1 split the positions in 3
+    (True, 64, 1, 64, (32, 512, 32, 8, 1, False, True), 3),
+    (True, 64, 4, 64, (32, 512, 32, 8, 1, False, True), 1),
+    (True, 16, 2, 64, (32, 512, 32, 8, 1, False, True), 5),
+    # FP8 rows, 16 heads a program: four programs (B=1), or no more than 16 heads
+    (True, 1, 1, 64, (16, 512, 32, 8, 1, False, True), 10),
+    (True, 64, 1, 16, (16, 512, 32, 8, 1, False, True), 5),
 ])
-def test_pick_config_at_real_size(monkeypatch, fp8_rows, tokens, want):
-    """B=64, H=64, Dh=512, window 128 + top-k 512 on the H200's 132 SMs: the documented choice."""
+def test_pick_config_at_real_size(monkeypatch, fp8_rows, batch, tokens, heads, want, splits):
+    """Dh=512, window 128 + top-k 512 on the H200's 132 SMs: the documented choice."""
     monkeypatch.setattr(sparse_mla_module, "_sm_count", lambda device: 132)
-    cfg = pick_config(64, tokens, 64, 512, 640, torch.device("cpu"), fp8_rows=fp8_rows)
+    cfg = pick_config(batch, tokens, heads, 512, 640, torch.device("cpu"), fp8_rows=fp8_rows)
     assert (cfg.h_block, cfg.block_dv, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.idx_asm,
             cfg.kv_halves) == want
-    assert cfg.num_splits == 1
+    assert cfg.num_splits == splits
 
 
 def test_split_count_heuristic_and_cap():
@@ -405,3 +414,32 @@ def test_gpu_only_paths_cross_compile_for_sm90_and_sm120():
         (fmt, cap) for fmt in ("bf16", "fp8") for cap in ("90", "120"))
     for _, _, shared, count in lines:
         assert int(shared) <= 101_376 and int(count) > 0
+
+
+_DEFAULTS_SM120 = """
+import sys, torch
+from dataclasses import replace
+sys.path[:0] = ["bench", "tests"]
+import bench_sparse_mla as bench
+print("module", bench.sm.__file__)
+bench.sm._sm_count = lambda device: 132
+cpu = torch.device("cpu")
+for fmt in ("bf16", "fp8"):
+    for tokens in (1, 4):
+        cfg = bench.sm.pick_config(64, tokens, 64, 512, 640, cpu, fp8_rows=fmt == "fp8")
+        args = bench.make_inputs(bench.Case("csa", 2, tokens, 64, "csa", fmt, 512), cpu)
+        launch = bench.sm.plan_sparse_mla(*args, out=torch.empty_like(args[0]), config=replace(cfg, num_splits=1))[0]
+        print(fmt, tokens, cfg.h_block, bench.cross_compile(launch, 120).metadata.shared)
+"""
+
+
+def test_default_tiles_fit_sm120_shared_memory():
+    """pick_config's tiles at real size (B=64, H=64, Dh=512, T=1 and 4, both row formats; the wide
+    grids' 32-head tiles included) compiled for sm_120 stay within its 101,376 B of shared memory."""
+    lines = run_compiled_script(_DEFAULTS_SM120, sparse_mla_module.__file__, timeout=600)
+    assert sorted((fmt, tokens) for fmt, tokens, _, _ in lines) == sorted(
+        (fmt, tokens) for fmt in ("bf16", "fp8") for tokens in ("1", "4"))
+    assert {(fmt, tokens): h_block for fmt, tokens, h_block, _ in lines} == {
+        ("bf16", "1"): "16", ("bf16", "4"): "32", ("fp8", "1"): "32", ("fp8", "4"): "32"}
+    for _, _, _, shared in lines:
+        assert int(shared) <= 101_376
