@@ -722,12 +722,13 @@ def pick_config(batch: int, tokens: int, heads: int, head_dim: int, num_idx_tota
     at T=1, where 16 heads fill one wave, 32 heads lost (41.8). Earlier sweeps ("Fifth session",
     "Sixth session"): index loads outside the pipeliner (idx_asm) and two 256-column halves (kv_halves, two
     shorter QK chains) won; 8 warps, 64 heads in one program (wgmma) and BLOCK_N 16 lost. FP8 rows:
-    8 warps, 1 stage (81,920 B), kv_halves: 155.7 / 567.2 us (186.5 / 697.3 without; the
-    in-register dequantisation spills with more heads or stages). 32 heads on FP8 rows, paired
-    against 16 ("Twenty-third session", us): CSA B=64 T=1 111.7 against 146.3, T=4 368.7 against
-    580.3, HCA at 128K B=64 T=1 184.8 against 266.0, CSA B=16 T=2 71.1 against 81.5 (128
-    programs at 16 heads); lost at B=1 (16.7 against 13.5: 4 programs) and with H=16 (68.2 against
-    55.5); grids of 5 to 127 programs were not timed. Small grids split the index positions
+    8 warps, 1 stage (81,920 B), kv_halves: 155.7 / 567.2 us (186.5 / 697.3 without; at 2
+    stages the tile outgrows sm_120's shared memory: 131,072 B, and at 4 warps it spills too).
+    32 heads on FP8 rows (98,304 B at 1 stage, no spills), paired against 16 ("Twenty-third
+    session", us): CSA B=64 T=1 111.7 against 146.3, T=4 368.7 against 580.3, HCA at 128K B=64
+    T=1 184.8 against 266.0, CSA B=16 T=2 71.1 against 81.5 (128 programs at 16 heads); lost at
+    B=1 (16.7 against 13.5: 4 programs) and with H=16 (68.2 against 55.5); grids of 5 to 127
+    programs were not timed. Small grids split the index positions
     (split-K) so that about two programs run per SM.
     """
     key = "fp8" if fp8_rows else "bf16"
