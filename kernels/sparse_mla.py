@@ -728,8 +728,8 @@ def pick_config(batch: int, tokens: int, heads: int, head_dim: int, num_idx_tota
     session", us): CSA B=64 T=1 111.7 against 146.3, T=4 368.7 against 580.3, HCA at 128K B=64
     T=1 184.8 against 266.0, CSA B=16 T=2 71.1 against 81.5 (128 programs at 16 heads); lost at
     B=1 (16.7 against 13.5: 4 programs) and with H=16 (68.2 against 55.5); grids of 5 to 127
-    programs were not timed. Small grids split the index positions
-    (split-K) so that about two programs run per SM.
+    programs were not timed. Small grids split the index positions (split-K) so that about two
+    programs run per SM.
     """
     key = "fp8" if fp8_rows else "bf16"
     programs16 = batch * tokens * triton.cdiv(heads, DEFAULT_TILES[key][0])
