@@ -75,7 +75,7 @@ def _sparse_mla_checked(args: list) -> tuple[torch.Tensor, float]:
 def sparse_mla_cases() -> None:
     """Dh=512, H=64, window 128 + CSA top-k 512 or HCA 1,024 entries; bf16 and FP8 rows; T in {1, 4};
     with -1 holes, out-of-range rows and one token with nothing selected; then an HCA list over max
-    context with few valid positions (many splits), and B=64 T=4 (the wide-grid tiles)."""
+    context with few valid positions (many splits), and B=64 (the wide-grid tiles of both row formats)."""
     for layer, extra_len in (("csa", 512), ("hca", 1024)):
         for fmt in ("bf16", "fp8"):
             for tokens in (1, 4):
@@ -100,14 +100,16 @@ def sparse_mla_cases() -> None:
         args[6] = torch.cat([args[6], torch.full((1, tokens, 7168), -1, dtype=torch.int32, device=DEVICE)], dim=2)
         _, err = _sparse_mla_checked(args)
         print(f"sparse_mla hca bf16 B=1 T={tokens} over 8,192 positions: ok (max abs err {err:.2e})", flush=True)
-    # A grid wider than one wave at 16 heads a program (B=64, T=4): the "bf16_wide" tiles, with holes.
-    case = bench_sparse_mla.Case("sanitize", 64, 4, 64, "csa", "bf16", 512)
-    args = list(bench_sparse_mla.make_inputs(case, DEVICE))
-    args[3], args[6] = args[3].clone(), args[6].clone()
-    args[3][::3, :, ::7] = -1
-    args[6][::2, :, ::5] = -1
-    _, err = _sparse_mla_checked(args)
-    print(f"sparse_mla csa bf16 B=64 T=4 (wide-grid tiles): ok (max abs err {err:.2e})", flush=True)
+    # Grids wider than one wave at 16 heads a program (B=64): the "bf16_wide" tiles (T=4) and the
+    # FP8 rows' "fp8_wide" tiles (T=1 with split-K, T=4 without), with holes.
+    for fmt, tokens in (("bf16", 4), ("fp8", 1), ("fp8", 4)):
+        case = bench_sparse_mla.Case("sanitize", 64, tokens, 64, "csa", fmt, 512)
+        args = list(bench_sparse_mla.make_inputs(case, DEVICE))
+        args[3], args[6] = args[3].clone(), args[6].clone()
+        args[3][::3, :, ::7] = -1
+        args[6][::2, :, ::5] = -1
+        _, err = _sparse_mla_checked(args)
+        print(f"sparse_mla csa {fmt} B=64 T={tokens} (wide-grid tiles): ok (max abs err {err:.2e})", flush=True)
 
 
 # Forced configs besides the op's default launch: the GEMV loop that loads one K step ahead (its last
