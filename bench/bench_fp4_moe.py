@@ -346,12 +346,12 @@ def _mma(block_m, block_n, block_k, warps, stages, prefetch=False, down=(0, 0), 
 # tensor-core path (fp4_moe's MMA path comment), all on one warp and without cp.async (every
 # pipelined variant lost in the third to fifth sessions' sweeps): with prefetch=True two K steps a
 # turn, each loaded a step ahead into registers (BLOCK_K 64 or 128, fewer weight rows for fewer
-# registers), beside the plain loop with 256-column steps (the verify default). 32 (config, M,
+# registers), beside the plain loop with 256-column steps (the verify default). 62 (config, M,
 # format) rows: some 2 minutes on the H200 with compiles. `down` gives the down kernel output columns and
 # warps of its own: in the eleventh session's B=64 step, gate/up on 16 rows and down on 64 rows and 2 warps
 # took 126 us less kernel time a step (its step time did not follow; bench/RESULTS.md). `asm`: the scale
 # words by inline-asm loads (TileConfig.scale_asm; the default at 32 rows). `caps`: register caps of
-# gate/up and down (TileConfig.max_regs / down_max_regs; 160 / 112 the default at 32 rows). Sweeps
+# gate/up and down (TileConfig.max_regs / down_max_regs; 160 / none the default at 32 rows). Sweeps
 # before the thirteenth session timed each candidate in its own block of replays, which favoured
 # whichever heavy case ran first by 3-6%; the sweep now times them paired (`paired_times`), and the
 # step-level check of a close call is bench/paired_step.py.
@@ -376,7 +376,9 @@ SWEEP_CANDIDATES = {
     256: [_mma(8, 32, 256, 1, 1), _mma(8, 32, 128, 1, 1, True, asm=True, caps=(160, 112)),
           _mma(8, 32, 128, 1, 1, True, asm=True), _mma(8, 32, 128, 1, 1, True),
           _mma(8, 32, 64, 1, 1, True),
-          _mma(8, 16, 128, 1, 1, True), _mma(8, 32, 128, 1, 1, True, down=(128, 4))],
+          _mma(8, 16, 128, 1, 1, True), _mma(8, 32, 128, 1, 1, True, down=(128, 4)),
+          _mma(8, 32, 128, 1, 1, True, down=(128, 4), asm=True, caps=(160, 0)),
+          _mma(8, 16, 128, 1, 1, True, down=(128, 4))],
 }
 
 

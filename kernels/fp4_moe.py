@@ -1183,17 +1183,18 @@ class TileConfig:
 # experts, bench/RESULTS.md "Sixth session"). Up to 16 pairs per expert both formats take the mma path
 # with 8-pair blocks, one warp a program, no shared-memory pipeline and two K steps of 128 columns a
 # turn, each loaded ahead into registers (the MMA path comment): 16 weight rows at 1 pair per expert
-# (M=1: MXFP4 0.072 ms vs 0.087 for the one-row GEMV blocks; M=8 0.240 vs 0.318), 32 above (then
+# (M=1: MXFP4 0.072 ms vs 0.087 for the one-row GEMV blocks; M=8 0.240 vs 0.318), 32 above for MXFP4 (then
 # M=64: MXFP4 0.849 ms, NVFP4 0.880; M=256: 1.25 / 1.30 vs 1.46 / 1.55 for 256-column steps without
 # prefetch). The 32-row class loads its scale words by inline asm (scale_asm): in the B=64 step, timed
 # paired against the tl.load form, -74 us of 4,269 (-1.7%); the 16-row class keeps tl.load (+5 us at
-# B=1, +18 us at B=8; RESULTS.md "Twelfth session"). The 32-row class also caps registers at 160
-# (gate/up) and 112 (down): an SM holds more of the one-warp programs. Compiled for sm_90 at V4-Flash sizes
-# (K=4096, I=2048; the loops' trip counts matter) down takes 183 / 192 registers uncapped (MXFP4 / NVFP4)
-# and spills 260 / 332 bytes at 112, NVFP4 gate/up 28 bytes at 160; uncapped down was still 15 / 28 us
-# slower at M=256 (RESULTS.md "Twenty-second session"). Timed paired in the B=64 step: -68 to -74 us
-# of ~4,300 at T=1, -178 us of 7,699 at T=4; 144 cost +845 us, 176 +62, down at 96 +72 (RESULTS.md
-# "Thirteenth session").
+# B=1, +18 us at B=8; RESULTS.md "Twelfth session"). The 32-row class also caps gate/up's registers at
+# 160: an SM holds more of the one-warp programs (RESULTS.md "Thirteenth session"). Its down kernel takes
+# 128 rows on 4 warps, uncapped (168 registers, no spills), as the 16-row class's: timed paired at
+# M=96..682 against the one-warp 32-row down capped at 112 (which spilled 260 / 332 bytes), MXFP4 -10.8
+# to -34.6 us, NVFP4 -7.0 to -32.2, and -67 us of 6,846 in the B=64 T=4 step, logits bit-equal
+# (RESULTS.md "Twenty-fourth session"). NVFP4, whose 32-row gate/up spills 28 bytes at 160, takes the
+# whole 16-row class above 2 pairs per expert as well: -65 / -52 / -48 / -31 / -25 us at M=96 / 128 /
+# 256 / 512 / 682 against the 32-row class (MXFP4 gained at M <= 256 and lost 18-36 us at 512 and 682).
 # At 2 pairs per expert (M = 43..85 at k=6: the B=64 decode step) gate/up took 16 weight rows and
 # down 64 rows on 2 warps, without asm scales or caps: timed paired against the 32-row class at M=48,
 # 64, 80, MXFP4 -1.7 / -1.3 / -0.4%, NVFP4 -2.8 / -3.3 / -2.3%, and in the B=64 T=1 step -41 us of
@@ -1238,8 +1239,8 @@ DEFAULT_CONFIGS = {
                           down_num_warps=4, direct_blocks=True),
     "mma_small": TileConfig("mma", 8, 16, 128, num_warps=1, num_stages=1, prefetch=True, down_block_n=128,
                             down_num_warps=4),
-    "mma": TileConfig("mma", 8, 32, 128, num_warps=1, num_stages=1, prefetch=True, scale_asm=True,
-                      max_regs=160, down_max_regs=112),
+    "mma": TileConfig("mma", 8, 32, 128, num_warps=1, num_stages=1, prefetch=True, down_block_n=128,
+                      down_num_warps=4, scale_asm=True, max_regs=160),
     "dot16": TileConfig("dot", 16, 64, 128, num_warps=4, num_stages=2),
     "dot64": TileConfig("dot", 64, 64, 128, num_warps=4, num_stages=2),
 }
@@ -1255,7 +1256,7 @@ def size_class(pairs: int, experts: int, fmt: str, native_fp4: bool = False, mma
     if (fmt == "mxfp4" and native_fp4) or not mma_fits:
         return "gemv" if average <= GEMV_MAX_ROWS else "dot16"
     if average > 2:
-        return "mma"
+        return "mma" if fmt == "mxfp4" else "mma_small"
     if pairs <= TOKEN_MAX_PAIRS:
         return "mma_token"
     return "mma_few" if pairs <= FEW_MAX_PAIRS and 4 * pairs <= experts else "mma_small"

@@ -310,13 +310,14 @@ def test_all_tokens_on_one_expert(config):
      (42, "mma_small", "mma_small", "gemv"),
      (43, "mma_small", "mma_small", "gemv"), (64, "mma_small", "mma_small", "gemv"),
      (85, "mma_small", "mma_small", "gemv"),
-     (86, "mma", "mma", "dot16"), (256, "mma", "mma", "dot16"), (682, "mma", "mma", "dot16"),
+     (86, "mma", "mma_small", "dot16"), (256, "mma", "mma_small", "dot16"), (682, "mma", "mma_small", "dot16"),
      (683, "dot64", "dot64", "dot64"), (4096, "dot64", "dot64", "dot64")],
 )
 def test_size_class_rule(tokens, mxfp4, nvfp4, mxfp4_native):
     """V4-Flash (E=256, k=6): decode and verify take the mma path (16 weight rows a program and a
     one-warp down for one token's 6 pairs; 16 for gate/up and 128 rows on 4 warps for down up to two
-    pairs per expert, M <= 85, with one block a pair up to 24 pairs; 32 up to 16 pairs per expert), except MXFP4 on GPUs with FP4 tensor
+    pairs per expert, M <= 85, with one block a pair up to 24 pairs; then up to 16 pairs per expert 32 rows for
+    MXFP4's gate/up, 16 for NVFP4's), except MXFP4 on GPUs with FP4 tensor
     cores (GEMV up to 2 pairs, then tl.dot_scaled; row-major experts only, the launcher passes native=False
     for tiled ones); prefill takes 64-row dot blocks. NVFP4 never uses tl.dot_scaled, so `native` leaves
     it alone."""
@@ -334,15 +335,18 @@ def test_size_class_rule(tokens, mxfp4, nvfp4, mxfp4_native):
                                                       (24, 256, "mma_few"), (25, 256, "mma_small"),
                                                       (48, 256, "mma_small"),
                                                       (9, 35, "mma_small"), (9, 36, "mma_few"),
-                                                      (8, 4, "mma_token"), (9, 4, "mma"), (8, 2, "mma"),
+                                                      (8, 4, "mma_token"), (9, 4, "above 2"), (8, 2, "above 2"),
                                                       (0, 256, "mma_token")])
 def test_size_class_token_boundary(pairs, experts, expected):
     """One decode token's choices (at most TOKEN_MAX_PAIRS pairs) keep the one-warp down unless the
-    experts are so few that the average is above 2 pairs: then the 32-row class, as before. Up to
-    FEW_MAX_PAIRS pairs over at least 4x as many experts, one block a pair (`mma_few`)."""
+    experts are so few that the average is above 2 pairs: then the class of that average (the 32-row
+    class for MXFP4, the 16-row one for NVFP4). Up to FEW_MAX_PAIRS pairs over at least 4x as many
+    experts, one block a pair (`mma_few`)."""
     assert moe.TOKEN_MAX_PAIRS == 8 and moe.FEW_MAX_PAIRS == 24
+    above_two = {"mxfp4": "mma", "nvfp4": "mma_small"}
     for fmt in ("mxfp4", "nvfp4"):
-        assert moe.size_class(pairs, experts, fmt) == expected, fmt
+        want = above_two[fmt] if expected == "above 2" else expected
+        assert moe.size_class(pairs, experts, fmt) == want, fmt
 
 
 @pytest.mark.parametrize(
@@ -407,7 +411,7 @@ def test_nvfp4_default_config_with_k_and_i_odd_multiples_of_16():
     avoids the mma path (which needs 32) at every size class, through the op."""
     w = make_experts("nvfp4", 8, 48, 48, seed=31)
     # 2 pairs, 2 and 10 pairs per expert: the NVFP4 mma size classes at K, I multiples of 32
-    for tokens, mma_class in ((1, "mma_token"), (8, "mma_small"), (40, "mma")):
+    for tokens, mma_class in ((1, "mma_token"), (8, "mma_small"), (40, "mma_small")):
         ids, weights = make_routing(tokens, 2, 8, "random", seed=31 + tokens)
         x = torch.randn(tokens, 48, generator=torch.Generator().manual_seed(tokens))
         assert moe.size_class(tokens * 2, 8, "nvfp4") == mma_class
@@ -481,11 +485,12 @@ for fmt in ("mxfp4", "nvfp4"):
 
 def test_mma_defaults_cross_compile_for_sm90_and_sm120():
     """What the interpreter never runs (the launcher turns both off there): TileConfig.scale_asm's
-    inline-asm scale loads and the 32-row class's register caps. Compile both mma kernels of that class
+    inline-asm scale loads and the 32-row class's gate/up register cap. Compile both mma kernels of that class
     with and without the asm loads (no GPU needed, in a process without TRITON_INTERPRET) for sm_90 and
     sm_120, with the launch options the launcher gives a GPU, on tiled experts (the swizzled decode) and
     row-major ones (with the asm loads). With the asm loads the PTX holds them,
-    without them none; the PTX caps each kernel's registers at its config's cap (.maxnreg); all stay
+    without them none; the PTX caps gate/up's registers at its config's cap (.maxnreg), the down kernel's
+    not at all (it has no cap since the twenty-fourth session); all stay
     within sm_120's 101,376 B of shared memory. (The H200 checked the outputs of both forms bit for bit
     against the plain ones: bench/RESULTS.md, twelfth and thirteenth sessions.)"""
     rows = run_compiled_script(_MMA_CROSS_COMPILE, moe.__file__)
@@ -494,12 +499,12 @@ def test_mma_defaults_cross_compile_for_sm90_and_sm120():
         for asm, tiled in (("False", "True"), ("True", "False"), ("True", "True"))
         for kernel in ("_gate_up_mma_kernel", "_down_mma_kernel") for cap in ("90", "120"))
     config = moe.DEFAULT_CONFIGS["mma"]
-    want_caps = {"_gate_up_mma_kernel": config.max_regs, "_down_mma_kernel": config.down_max_regs}
-    assert all(want_caps.values())
+    assert config.max_regs and not config.down_max_regs
+    want_caps = {"_gate_up_mma_kernel": str(config.max_regs), "_down_mma_kernel": "none"}
     for fmt, asm, _, kernel, cap, shared, asm_loads, maxnreg in rows:
         assert int(shared) <= 101_376
         assert (int(asm_loads) > 0) == (asm == "True"), (fmt, asm, kernel, cap, asm_loads)
-        assert maxnreg == str(want_caps[kernel]), (fmt, asm, kernel, cap, maxnreg)
+        assert maxnreg == want_caps[kernel], (fmt, asm, kernel, cap, maxnreg)
 
 
 @pytest.mark.parametrize("config, interpreted, want", [
