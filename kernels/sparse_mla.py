@@ -703,8 +703,8 @@ DEFAULT_TILES = {
     # take 102,400 B of shared memory, over sm_120's 101,376).
     "bf16_wide": (32, 0, 32, 4, 2, 0, True, True),
     "fp8": (16, 0, 32, 8, 1, 0, False, True),
-    # FP8 rows on grids of at least half a wave at 16 heads, more than 16 heads: 32 heads a program
-    # (98,304 B of shared memory, 240-245 registers on sm_90 and sm_120, no spills).
+    # FP8 rows on grids of at least a tenth of the SMs at 16 heads, more than 16 heads: 32 heads a
+    # program (98,304 B of shared memory, 240-245 registers on sm_90 and sm_120, no spills).
     "fp8_wide": (32, 0, 32, 8, 1, 0, False, True),
 }
 
@@ -713,7 +713,7 @@ def pick_config(batch: int, tokens: int, heads: int, head_dim: int, num_idx_tota
                 device: torch.device, num_splits: int | None = None, fp8_rows: bool = False) -> LaunchConfig:
     """The launch config for these shapes: DEFAULT_TILES of the row format (16 heads of one token a
     program, all value columns; "bf16_wide" for bf16 rows on grids wider than one wave, "fp8_wide"
-    for FP8 rows on grids of at least half a wave with more than 16 heads).
+    for FP8 rows on grids of at least a tenth of the SMs' count with more than 16 heads).
 
     H200, B=64, H=64, Dh 512, bf16 rows, one tile loop over both pools (bench/RESULTS.md
     "Seventeenth session"): BLOCK_N 64 on 2 stages against the sixth session's 32 on 3, CSA at
@@ -727,15 +727,16 @@ def pick_config(batch: int, tokens: int, heads: int, head_dim: int, num_idx_tota
     32 heads on FP8 rows (98,304 B at 1 stage, no spills), paired against 16 ("Twenty-third
     session", us): CSA B=64 T=1 111.7 against 146.3, T=4 368.7 against 580.3, HCA at 128K B=64
     T=1 184.8 against 266.0, CSA B=16 T=2 71.1 against 81.5 (128 programs at 16 heads); lost at
-    B=1 (16.7 against 13.5: 4 programs) and with H=16 (68.2 against 55.5); grids of 5 to 127
-    programs were not timed. Small grids split the index positions (split-K) so that about two
-    programs run per SM.
+    B=1 (16.7 against 13.5: 4 programs) and with H=16 (68.2 against 55.5). Grids of 8 to 128
+    programs at 16 heads, each tile with its own split count ("Twenty-fourth session"): 32 heads
+    lost at 8 (+3.0 us), tied at 32, won at 16, 48 and 64 to 128 (-5.7 to -36.8 us). Small grids
+    split the index positions (split-K) so that about two programs run per SM.
     """
     key = "fp8" if fp8_rows else "bf16"
     programs16 = batch * tokens * triton.cdiv(heads, DEFAULT_TILES[key][0])
     if key == "bf16" and programs16 > 2 * _sm_count(device):
         key = "bf16_wide"
-    elif key == "fp8" and heads > DEFAULT_TILES[key][0] and 2 * programs16 >= _sm_count(device):
+    elif key == "fp8" and heads > DEFAULT_TILES[key][0] and 10 * programs16 >= _sm_count(device):
         key = "fp8_wide"
     h_block, block_dv, block_n, num_warps, num_stages, max_splits, idx_asm, kv_halves = DEFAULT_TILES[key]
     block_d = triton.next_power_of_2(head_dim)

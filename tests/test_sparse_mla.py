@@ -360,13 +360,16 @@ def test_kv_halves_needs_all_value_columns():
     (False, 64, 1, 64, (16, 512, 64, 4, 2, True, True), 1),
     # bf16 rows, four waves at 16 heads: 32 heads, 32-row tiles
     (False, 64, 4, 64, (32, 512, 32, 4, 2, True, True), 1),
-    # FP8 rows, 256 or more programs at 16 heads: 32 heads, 1 stage, two halves, 98,304 B; 128
+    # FP8 rows, 16 or more programs at 16 heads: 32 heads, 1 stage, two halves, 98,304 B; 128
     # programs at T=1 split the positions in 3
     (True, 64, 1, 64, (32, 512, 32, 8, 1, False, True), 3),
     (True, 64, 4, 64, (32, 512, 32, 8, 1, False, True), 1),
     (True, 16, 2, 64, (32, 512, 32, 8, 1, False, True), 5),
-    # FP8 rows, 16 heads a program: four programs (B=1), or no more than 16 heads
+    # FP8 rows, 16 heads (grid of 16 at 16 heads, a tenth of the SMs or more): 32 heads, 10 splits
+    (True, 4, 1, 64, (32, 512, 32, 8, 1, False, True), 10),
+    # FP8 rows, 16 heads a program: four or eight programs (B=1, 2), or no more than 16 heads
     (True, 1, 1, 64, (16, 512, 32, 8, 1, False, True), 10),
+    (True, 2, 1, 64, (16, 512, 32, 8, 1, False, True), 10),
     (True, 64, 1, 16, (16, 512, 32, 8, 1, False, True), 5),
 ])
 def test_pick_config_at_real_size(monkeypatch, fp8_rows, batch, tokens, heads, want, splits):
