@@ -1309,6 +1309,27 @@ def _fit_block_k(block_k: int, hidden: int, inter: int, group: int) -> int:
     return max(min(block_k, common), group)
 
 
+# Widest column tiles the interpreter takes for the default configs (see `interpreter_shape`).
+INTERPRETER_MAX_BLOCK_N = 128
+
+
+def interpreter_shape(config: TileConfig, hidden: int, inter: int) -> TileConfig:
+    """`config` as the Triton interpreter runs a default: one program at a time in Python, at a cost
+    set by how many tl operations it executes rather than by their width. So an mma config takes
+    column tiles as wide as I (gate/up) and K (down), up to INTERPRETER_MAX_BLOCK_N, and no split-K:
+    the same kernels and code paths in a fraction of the programs (the CPU tests' tiny models run
+    their MoE about 3x faster). Other paths, and configs a caller passes, are not changed."""
+    if config.path != "mma":
+        return config
+    down_n, _ = config.down_shape()
+
+    def widest(block_n: int, columns: int) -> int:  # powers of two: still a multiple of 16 x warps
+        return max(block_n, min(triton.next_power_of_2(columns), INTERPRETER_MAX_BLOCK_N))
+
+    return dataclasses.replace(config, block_n=widest(config.block_n, inter),
+                               down_block_n=widest(down_n, hidden), k_splits=1)
+
+
 def _fit_splits(splits: int, length: int, block_k: int) -> int:
     """The largest power of two <= splits dividing length / block_k (each split a whole number of K steps)."""
     steps = length // block_k
@@ -1341,6 +1362,8 @@ def fp4_moe_pairs_triton(
     use_dot_scaled = use_dot_scaled and not tiled
     if config is None:
         config = choose_config(pairs, experts, fmt, native_fp4, mma_fits=hidden % 32 == 0 and inter % 32 == 0)
+        if interpreted:
+            config = interpreter_shape(config, hidden, inter)
     group = GROUP[fmt]
     blocks_bound = pairs if config.direct_blocks else block_bound(pairs, experts, config.block_m)
     if config.path == "mma" and blocks_bound > MAX_GRID_Y:  # the default configs take mma up to 3E blocks

@@ -1,4 +1,6 @@
 """dsv4::fp4_moe: Triton kernel (interpreter on CPU) against the torch reference, and its errors."""
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given
@@ -517,3 +519,40 @@ def test_register_caps_become_launch_options(config, interpreted, want):
     """A config's register caps are the kernels' maxnreg launch options on a GPU; 0 leaves the compiler
     its choice (None), and the interpreter gets none."""
     assert moe.register_caps(config, interpreted) == want
+
+
+def test_interpreter_widens_only_the_default_mma_tiles(monkeypatch):
+    """Under the interpreter a default mma config runs with column tiles as wide as I (gate/up) and
+    K (down), up to INTERPRETER_MAX_BLOCK_N, and no split-K: the same kernels in fewer programs.
+    Nothing else of the config changes; dot and gemv configs, and a config the caller passes, launch
+    as given (the defaults themselves run as given in test_mma_several_scale_groups_per_lane)."""
+    token = moe.DEFAULT_CONFIGS["mma_token"]
+    wide = moe.interpreter_shape(token, hidden=64, inter=32)
+    assert (wide.block_n, wide.down_shape(), wide.k_splits) == (32, (64, 1), 1)
+    assert dataclasses.replace(wide, block_n=token.block_n, down_block_n=token.down_block_n, k_splits=2) == token
+    large = moe.interpreter_shape(moe.DEFAULT_CONFIGS["mma"], hidden=4096, inter=2048)
+    assert (large.block_n, large.down_shape()) == (moe.INTERPRETER_MAX_BLOCK_N, (128, 4))
+    for name in ("gemv", "dot16", "dot64"):
+        assert moe.interpreter_shape(moe.DEFAULT_CONFIGS[name], 4096, 2048) is moe.DEFAULT_CONFIGS[name]
+
+    grids = []
+
+    def recorder(name):
+        class Record:
+            def __getitem__(self, grid):
+                return lambda *args, **meta: grids.append((name, grid, meta.get("BLOCK_N")))
+        return Record()
+
+    for name in ("_gate_up_mma_kernel", "_swiglu_partials_kernel", "_down_mma_kernel"):
+        monkeypatch.setattr(moe, name, recorder(name))
+    experts, hidden, inter = 8, 64, 32
+    w = make_experts("mxfp4", experts, hidden, inter, seed=51)
+    ids, weights = make_routing(2, 2, experts, "random", seed=51)
+    x = torch.randn(2, hidden, generator=torch.Generator().manual_seed(52))
+    assert moe.size_class(4, experts, "mxfp4") == "mma_token"
+    moe.fp4_moe_pairs_triton(*_args(x, ids, weights, w, None))
+    assert grids == [("_gate_up_mma_kernel", (1, 4, 1), 32), ("_down_mma_kernel", (1, 4, 1), 64)]
+    grids.clear()
+    moe.fp4_moe_pairs_triton(*_args(x, ids, weights, w, None), config=token)
+    assert [(name, grid) for name, grid, _ in grids] == [
+        ("_gate_up_mma_kernel", (2, 4, 2)), ("_swiglu_partials_kernel", (1, 4)), ("_down_mma_kernel", (4, 4, 1))]
