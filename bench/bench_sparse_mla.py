@@ -365,7 +365,8 @@ def markdown(results: list[Result], summary: dict, shared: dict, local: dict) ->
 # (rows, h_block, block_dv, block_n, num_warps, num_stages, max_splits, idx_asm, kv_halves):
 # pick_config's bf16 defaults (sm.DEFAULT_TILES "bf16" and "bf16_wide"; copy a winning row there)
 # first, then the sixth session's candidates (its default was the fourth row); of the FP8 rows,
-# the second is "fp8" and the third "fp8_wide" (twenty-third session). The fifth session swept
+# the second is "fp8", the third "fp8_wide" (twenty-third session) and the fourth "fp8_wide_pair"
+# (twenty-fifth). The fifth session swept
 # the rest (bench/RESULTS.md): 3 stages, BLOCK_N 16 at 4 or 8 warps, an L2 prefetch hint, 64
 # heads a program (wgmma) and FP8 n16 st3 all lost to the defaults. sm_90 SASS of the CSA tile loop
 # (cross-compiled, B=64, per 32-row tile and warp): bf16 default 797 instructions, 222 regs, one
@@ -384,7 +385,8 @@ SWEEP_CONFIGS = [
     ("bf16", 16, 512, 32, 4, 3, 0, True, False), ("bf16", 16, 512, 32, 4, 3, 0, True, True),
     ("bf16", 16, 512, 32, 8, 3, 0, True, True),
     ("fp8", 16, 512, 32, 8, 1, 0, False, False), ("fp8", 16, 512, 32, 8, 1, 0, False, True),
-    ("fp8", 32, 512, 32, 8, 1, 0, False, True), ("fp8", 16, 512, 16, 8, 3, 0, True, True),
+    ("fp8", 32, 512, 32, 8, 1, 0, False, True), ("fp8", 32, 512, 32, 4, 1, 0, False, True),
+    ("fp8", 16, 512, 16, 8, 3, 0, True, True),
 ]
 SWEEP_LAYERS = {"csa": 512, "hca": 1024}
 

@@ -101,7 +101,8 @@ def sparse_mla_cases() -> None:
         _, err = _sparse_mla_checked(args)
         print(f"sparse_mla hca bf16 B=1 T={tokens} over 8,192 positions: ok (max abs err {err:.2e})", flush=True)
     # Grids wider than one wave at 16 heads a program (B=64): the "bf16_wide" tiles (T=4) and the
-    # FP8 rows' "fp8_wide" tiles (T=1 with split-K, T=4 without), with holes.
+    # FP8 rows' "fp8_wide" tiles ("fp8_wide_pair" where two fit an SM; T=1 with split-K, T=4
+    # without), with holes.
     for fmt, tokens in (("bf16", 4), ("fp8", 1), ("fp8", 4)):
         case = bench_sparse_mla.Case("sanitize", 64, tokens, 64, "csa", fmt, 512)
         args = list(bench_sparse_mla.make_inputs(case, DEVICE))

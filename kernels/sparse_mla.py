@@ -668,17 +668,26 @@ class LaunchConfig:
     kv_halves: bool = False
 
 
-_SM_COUNTS: dict[int, int] = {}
+_SM_PROPS: dict[int, tuple[int, int]] = {}
+
+
+def _sm_props(device: torch.device) -> tuple[int, int]:
+    """(SM count, shared memory bytes per SM) of a CUDA device, read once."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_PROPS:
+        props = torch.cuda.get_device_properties(index)
+        _SM_PROPS[index] = (props.multi_processor_count, props.shared_memory_per_multiprocessor)
+    return _SM_PROPS[index]
 
 
 def _sm_count(device: torch.device) -> int:
     """The SM count of a CUDA device; 4 on CPU (the interpreter), so that CPU tests exercise split-K."""
-    if device.type != "cuda":
-        return 4
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNTS:
-        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNTS[index]
+    return _sm_props(device)[0] if device.type == "cuda" else 4
+
+
+def _shared_per_sm(device: torch.device) -> int:
+    """Shared memory bytes per SM of a CUDA device (H200 233,472, sm_120 102,400); 0 on CPU."""
+    return _sm_props(device)[1] if device.type == "cuda" else 0
 
 
 def split_count(programs: int, num_idx_total: int, device: torch.device, num_splits: int | None = None,
@@ -706,14 +715,22 @@ DEFAULT_TILES = {
     # FP8 rows on grids of at least a tenth of the SMs at 16 heads, more than 16 heads: 32 heads a
     # program (98,304 B of shared memory, 240-245 registers on sm_90 and sm_120, no spills).
     "fp8_wide": (32, 0, 32, 8, 1, 0, False, True),
+    # The same on 4 warps where an SM's shared memory holds two of these tiles (the H200's, not
+    # sm_120's): 255 registers, about 40 spilled, let two programs share an SM.
+    "fp8_wide_pair": (32, 0, 32, 4, 1, 0, False, True),
 }
+# Shared memory of the FP8 32-head tile (either warp count; sm_90 and sm_120 alike, a CPU test
+# checks it) and what the hardware reserves per block (sm_80 and later).
+FP8_WIDE_SHARED = 98_304
+BLOCK_RESERVED_SHARED = 1_024
 
 
 def pick_config(batch: int, tokens: int, heads: int, head_dim: int, num_idx_total: int,
                 device: torch.device, num_splits: int | None = None, fp8_rows: bool = False) -> LaunchConfig:
     """The launch config for these shapes: DEFAULT_TILES of the row format (16 heads of one token a
     program, all value columns; "bf16_wide" for bf16 rows on grids wider than one wave, "fp8_wide"
-    for FP8 rows on grids of at least a tenth of the SMs' count with more than 16 heads).
+    for FP8 rows on grids of at least a tenth of the SMs' count with more than 16 heads, and
+    "fp8_wide_pair" instead where an SM's shared memory holds two of its tiles).
 
     H200, B=64, H=64, Dh 512, bf16 rows, one tile loop over both pools (bench/RESULTS.md
     "Seventeenth session"): BLOCK_N 64 on 2 stages against the sixth session's 32 on 3, CSA at
@@ -729,8 +746,12 @@ def pick_config(batch: int, tokens: int, heads: int, head_dim: int, num_idx_tota
     T=1 184.8 against 266.0, CSA B=16 T=2 71.1 against 81.5 (128 programs at 16 heads); lost at
     B=1 (16.7 against 13.5: 4 programs) and with H=16 (68.2 against 55.5). Grids of 8 to 128
     programs at 16 heads, each tile with its own split count ("Twenty-fourth session"): 32 heads
-    lost at 8 (+3.0 us), tied at 32, won at 16, 48 and 64 to 128 (-5.7 to -36.8 us). Small grids
-    split the index positions (split-K) so that about two programs run per SM.
+    lost at 8 (+3.0 us), tied at 32, won at 16, 48 and 64 to 128 (-5.7 to -36.8 us). The 32-head
+    tile on 4 warps ("fp8_wide_pair", where two fit an SM's shared memory), paired against 8 on the
+    H200 ("Twenty-fifth session", us): CSA B=64 T=4 283.3 against 369.7, T=2 144.9 against 188.7,
+    HCA at 128K B=64 T=4 483.0 against 647.7, B=32 T=4 142.1 against 185.4, B=4 T=4 and B=16 T=1
+    -5.2, other grids of 32-64 programs -2.5 to -3.0, tied at B=64 T=1 (+0.2). Small grids split
+    the index positions (split-K) so that about two programs run per SM.
     """
     key = "fp8" if fp8_rows else "bf16"
     programs16 = batch * tokens * triton.cdiv(heads, DEFAULT_TILES[key][0])
@@ -738,6 +759,8 @@ def pick_config(batch: int, tokens: int, heads: int, head_dim: int, num_idx_tota
         key = "bf16_wide"
     elif key == "fp8" and heads > DEFAULT_TILES[key][0] and 10 * programs16 >= _sm_count(device):
         key = "fp8_wide"
+        if _shared_per_sm(device) >= 2 * (FP8_WIDE_SHARED + BLOCK_RESERVED_SHARED):
+            key = "fp8_wide_pair"
     h_block, block_dv, block_n, num_warps, num_stages, max_splits, idx_asm, kv_halves = DEFAULT_TILES[key]
     block_d = triton.next_power_of_2(head_dim)
     block_dv = min(block_dv or block_d, block_d)

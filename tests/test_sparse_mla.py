@@ -373,12 +373,36 @@ def test_kv_halves_needs_all_value_columns():
     (True, 64, 1, 16, (16, 512, 32, 8, 1, False, True), 5),
 ])
 def test_pick_config_at_real_size(monkeypatch, fp8_rows, batch, tokens, heads, want, splits):
-    """Dh=512, window 128 + top-k 512 on the H200's 132 SMs: the documented choice."""
+    """Dh=512, window 128 + top-k 512 on 132 SMs of sm_120's shared memory (one FP8 32-head
+    tile an SM): the documented choice."""
     monkeypatch.setattr(sparse_mla_module, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(sparse_mla_module, "_shared_per_sm", lambda device: 102_400)
     cfg = pick_config(batch, tokens, heads, 512, 640, torch.device("cpu"), fp8_rows=fp8_rows)
     assert (cfg.h_block, cfg.block_dv, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.idx_asm,
             cfg.kv_halves) == want
     assert cfg.num_splits == splits
+
+
+@pytest.mark.parametrize("shared_per_sm, warps", [
+    (233_472, 4),  # H100, H200, B200
+    (2 * (98_304 + 1_024), 4),
+    (2 * (98_304 + 1_024) - 1, 8),
+    (167_936, 8),  # A100
+    (102_400, 8),  # sm_120, sm_89
+])
+@pytest.mark.parametrize("batch, tokens, heads, splits", [(64, 1, 64, 3), (64, 4, 64, 1), (4, 4, 64, 9)])
+def test_fp8_wide_tile_takes_four_warps_where_two_fit_an_sm(monkeypatch, shared_per_sm, warps, batch, tokens,
+                                                            heads, splits):
+    """The FP8 32-head tile runs on 4 warps only where an SM's shared memory holds two of them (its
+    FP8_WIDE_SHARED plus the per-block reserve each), else on 8; nothing else of it changes, and the
+    16-head tile of small grids keeps 8 warps everywhere."""
+    monkeypatch.setattr(sparse_mla_module, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(sparse_mla_module, "_shared_per_sm", lambda device: shared_per_sm)
+    cfg = pick_config(batch, tokens, heads, 512, 640, torch.device("cpu"), fp8_rows=True)
+    assert (cfg.h_block, cfg.block_dv, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.idx_asm,
+            cfg.kv_halves, cfg.num_splits) == (32, 512, 32, warps, 1, False, True, splits)
+    small = pick_config(1, 1, heads, 512, 640, torch.device("cpu"), fp8_rows=True)
+    assert (small.h_block, small.num_warps) == (16, 8)
 
 
 def test_split_count_heuristic_and_cap():
@@ -433,16 +457,24 @@ for fmt in ("bf16", "fp8"):
         args = bench.make_inputs(bench.Case("csa", 2, tokens, 64, "csa", fmt, 512), cpu)
         launch = bench.sm.plan_sparse_mla(*args, out=torch.empty_like(args[0]), config=replace(cfg, num_splits=1))[0]
         print(fmt, tokens, cfg.h_block, bench.cross_compile(launch, 120).metadata.shared)
+        if fmt == "fp8" and tokens == 4:  # the same tile on 4 warps, where two fit an SM (sm_90)
+            four = bench.sm.plan_sparse_mla(*args, out=torch.empty_like(args[0]),
+                                            config=replace(cfg, num_splits=1, num_warps=4))[0]
+            print("fp8_4w", tokens, cfg.h_block, bench.cross_compile(four, 90).metadata.shared)
 """
 
 
 def test_default_tiles_fit_sm120_shared_memory():
     """pick_config's tiles at real size (B=64, H=64, Dh=512, T=1 and 4, both row formats; the wide
-    grids' 32-head tiles included) compiled for sm_120 stay within its 101,376 B of shared memory."""
+    grids' 32-head tiles included) compiled for sm_120 stay within its 101,376 B of shared memory;
+    the FP8 32-head tile takes FP8_WIDE_SHARED there and, on 4 warps, for sm_90 (pick_config's
+    rule for 4 warps counts on it)."""
     lines = run_compiled_script(_DEFAULTS_SM120, sparse_mla_module.__file__, timeout=600)
     assert sorted((fmt, tokens) for fmt, tokens, _, _ in lines) == sorted(
-        (fmt, tokens) for fmt in ("bf16", "fp8") for tokens in ("1", "4"))
+        [(fmt, tokens) for fmt in ("bf16", "fp8") for tokens in ("1", "4")] + [("fp8_4w", "4")])
     assert {(fmt, tokens): h_block for fmt, tokens, h_block, _ in lines} == {
-        ("bf16", "1"): "16", ("bf16", "4"): "32", ("fp8", "1"): "32", ("fp8", "4"): "32"}
-    for _, _, _, shared in lines:
+        ("bf16", "1"): "16", ("bf16", "4"): "32", ("fp8", "1"): "32", ("fp8", "4"): "32", ("fp8_4w", "4"): "32"}
+    for fmt, _, _, shared in lines:
         assert int(shared) <= 101_376
+        if fmt.startswith("fp8"):
+            assert int(shared) == sparse_mla_module.FP8_WIDE_SHARED
