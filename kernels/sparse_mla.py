@@ -692,12 +692,14 @@ def _shared_per_sm(device: torch.device) -> int:
 
 def split_count(programs: int, num_idx_total: int, device: torch.device, num_splits: int | None = None,
                 max_splits: int | None = None) -> int:
-    """Splits of the index positions for a grid of `programs` (None: about two programs per SM, at
-    most max_splits), capped at the SPLIT_TILE tiles of num_idx_total positions."""
+    """Splits of the index positions for a grid of `programs` (None: as many as keep the grid within
+    two programs per SM, at most max_splits), capped at the SPLIT_TILE tiles of num_idx_total
+    positions. Within, not past: a grid a little over that wave leaves most SMs idle in its tail
+    (H200, paired: see pick_config)."""
     num_tiles = max(1, triton.cdiv(num_idx_total, SPLIT_TILE))
     if num_splits is None:
         sms = _sm_count(device)
-        num_splits = 1 if programs >= sms else min(triton.cdiv(2 * sms, programs), triton.cdiv(num_tiles, 2))
+        num_splits = 1 if programs >= sms else min((2 * sms) // programs, triton.cdiv(num_tiles, 2))
         num_splits = min(num_splits, max_splits or num_splits)
     return max(1, min(num_splits, num_tiles))
 
@@ -751,7 +753,13 @@ def pick_config(batch: int, tokens: int, heads: int, head_dim: int, num_idx_tota
     H200 ("Twenty-fifth session", us): CSA B=64 T=4 283.3 against 369.7, T=2 144.9 against 188.7,
     HCA at 128K B=64 T=4 483.0 against 647.7, B=32 T=4 142.1 against 185.4, B=4 T=4 and B=16 T=1
     -5.2, other grids of 32-64 programs -2.5 to -3.0, tied at B=64 T=1 (+0.2). Small grids split
-    the index positions (split-K) so that about two programs run per SM.
+    the index positions (split-K) as far as one wave of two programs an SM holds (`split_count`:
+    the floor of twice the SMs over the programs; it was the ceiling). Paired on the H200 (us;
+    "Twenty-fifth session"), where the two differ: FP8 rows (4-warp tile) CSA B=64 T=1 88.5
+    against 113.2, HCA B=64 145 against 185, B=48 84.8 against 97.9, B=32 49.7 against 69.6, B=16
+    T=2 48.9 against 68.6, B=8 T=4 47.9 against 67.4, HCA B=16 49.4 against 65.7, B=16 and B=24
+    -1.1 to -1.2; bf16 rows CSA B=32 T=1 26.0 against 35.3, HCA 41.1 against 52.8, CSA and HCA
+    B=16 and CSA B=8 T=2 -4.3 to -4.5; where they agree, equal.
     """
     key = "fp8" if fp8_rows else "bf16"
     programs16 = batch * tokens * triton.cdiv(heads, DEFAULT_TILES[key][0])

@@ -361,16 +361,16 @@ def test_kv_halves_needs_all_value_columns():
     # bf16 rows, four waves at 16 heads: 32 heads, 32-row tiles
     (False, 64, 4, 64, (32, 512, 32, 4, 2, True, True), 1),
     # FP8 rows, 16 or more programs at 16 heads: 32 heads, 1 stage, two halves, 98,304 B; 128
-    # programs at T=1 split the positions in 3
-    (True, 64, 1, 64, (32, 512, 32, 8, 1, False, True), 3),
+    # programs at T=1 split the positions in 2 (256 programs: within two an SM), 64 in 4
+    (True, 64, 1, 64, (32, 512, 32, 8, 1, False, True), 2),
     (True, 64, 4, 64, (32, 512, 32, 8, 1, False, True), 1),
-    (True, 16, 2, 64, (32, 512, 32, 8, 1, False, True), 5),
+    (True, 16, 2, 64, (32, 512, 32, 8, 1, False, True), 4),
     # FP8 rows, 16 heads (grid of 16 at 16 heads, a tenth of the SMs or more): 32 heads, 10 splits
     (True, 4, 1, 64, (32, 512, 32, 8, 1, False, True), 10),
     # FP8 rows, 16 heads a program: four or eight programs (B=1, 2), or no more than 16 heads
     (True, 1, 1, 64, (16, 512, 32, 8, 1, False, True), 10),
     (True, 2, 1, 64, (16, 512, 32, 8, 1, False, True), 10),
-    (True, 64, 1, 16, (16, 512, 32, 8, 1, False, True), 5),
+    (True, 64, 1, 16, (16, 512, 32, 8, 1, False, True), 4),
 ])
 def test_pick_config_at_real_size(monkeypatch, fp8_rows, batch, tokens, heads, want, splits):
     """Dh=512, window 128 + top-k 512 on 132 SMs of sm_120's shared memory (one FP8 32-head
@@ -390,12 +390,14 @@ def test_pick_config_at_real_size(monkeypatch, fp8_rows, batch, tokens, heads, w
     (167_936, 8),  # A100
     (102_400, 8),  # sm_120, sm_89
 ])
-@pytest.mark.parametrize("batch, tokens, heads, splits", [(64, 1, 64, 3), (64, 4, 64, 1), (4, 4, 64, 9)])
+@pytest.mark.parametrize("batch, tokens, heads, splits", [
+    (64, 1, 64, 2), (48, 1, 64, 2), (32, 1, 64, 4), (64, 4, 64, 1), (4, 4, 64, 8)])
 def test_fp8_wide_tile_takes_four_warps_where_two_fit_an_sm(monkeypatch, shared_per_sm, warps, batch, tokens,
                                                             heads, splits):
     """The FP8 32-head tile runs on 4 warps only where an SM's shared memory holds two of them (its
-    FP8_WIDE_SHARED plus the per-block reserve each), else on 8; nothing else of it changes, and the
-    16-head tile of small grids keeps 8 warps everywhere."""
+    FP8_WIDE_SHARED plus the per-block reserve each), else on 8; nothing else of it changes (its
+    splits keep the grid within 264 programs, two an SM), and the 16-head tile of small grids keeps
+    8 warps everywhere."""
     monkeypatch.setattr(sparse_mla_module, "_sm_count", lambda device: 132)
     monkeypatch.setattr(sparse_mla_module, "_shared_per_sm", lambda device: shared_per_sm)
     cfg = pick_config(batch, tokens, heads, 512, 640, torch.device("cpu"), fp8_rows=True)
@@ -414,6 +416,8 @@ def test_split_count_heuristic_and_cap():
     assert split_count(1, 640, cpu, num_splits=5, max_splits=2) == 5
     assert split_count(1, 40, cpu, num_splits=5) == 2
     assert split_count(64, 640, cpu, max_splits=2) == 1
+    # within one wave of two programs an SM (4 SMs: 8), not past it: 3 programs take 2 splits, not 3
+    assert [split_count(p, 640, cpu) for p in (1, 2, 3)] == [8, 4, 2]
 
 
 _CROSS_COMPILE = """
