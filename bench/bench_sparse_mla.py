@@ -365,8 +365,8 @@ def markdown(results: list[Result], summary: dict, shared: dict, local: dict) ->
 # (rows, h_block, block_dv, block_n, num_warps, num_stages, max_splits, idx_asm, kv_halves):
 # pick_config's bf16 defaults (sm.DEFAULT_TILES "bf16" and "bf16_wide"; copy a winning row there)
 # first, then the sixth session's candidates (its default was the fourth row); of the FP8 rows,
-# the second is "fp8", the third "fp8_wide" (twenty-third session) and the fourth "fp8_wide_pair"
-# (twenty-fifth). The fifth session swept
+# the second is "fp8", the third "fp8_wide" (twenty-third session) and the fourth "fp8_wide" on
+# the 4 warps pick_config gives it where two share an SM (twenty-fifth). The fifth session swept
 # the rest (bench/RESULTS.md): 3 stages, BLOCK_N 16 at 4 or 8 warps, an L2 prefetch hint, 64
 # heads a program (wgmma) and FP8 n16 st3 all lost to the defaults. sm_90 SASS of the CSA tile loop
 # (cross-compiled, B=64, per 32-row tile and warp): bf16 default 797 instructions, 222 regs, one

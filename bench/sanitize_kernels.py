@@ -101,16 +101,17 @@ def sparse_mla_cases() -> None:
         _, err = _sparse_mla_checked(args)
         print(f"sparse_mla hca bf16 B=1 T={tokens} over 8,192 positions: ok (max abs err {err:.2e})", flush=True)
     # Grids wider than one wave at 16 heads a program (B=64): the "bf16_wide" tiles (T=4) and the
-    # FP8 rows' "fp8_wide" tiles ("fp8_wide_pair" where two fit an SM; T=1 with split-K, T=4
-    # without), with holes.
-    for fmt, tokens in (("bf16", 4), ("fp8", 1), ("fp8", 4)):
-        case = bench_sparse_mla.Case("sanitize", 64, tokens, 64, "csa", fmt, 512)
+    # FP8 rows' "fp8_wide" tiles (T=1 with split-K, T=4 without) and, at 16 heads, the "fp8" tile
+    # (split in 4), each on 4 warps where two share an SM, with holes.
+    for fmt, tokens, heads in (("bf16", 4, 64), ("fp8", 1, 64), ("fp8", 4, 64), ("fp8", 1, 16)):
+        case = bench_sparse_mla.Case("sanitize", 64, tokens, heads, "csa", fmt, 512)
         args = list(bench_sparse_mla.make_inputs(case, DEVICE))
         args[3], args[6] = args[3].clone(), args[6].clone()
         args[3][::3, :, ::7] = -1
         args[6][::2, :, ::5] = -1
         _, err = _sparse_mla_checked(args)
-        print(f"sparse_mla csa {fmt} B=64 T={tokens} (wide-grid tiles): ok (max abs err {err:.2e})", flush=True)
+        print(f"sparse_mla csa {fmt} B=64 T={tokens} H={heads} (wide-grid tiles): ok (max abs err {err:.2e})",
+              flush=True)
 
 
 # Forced configs besides the op's default launch: the GEMV loop that loads one K step ahead (its last

@@ -717,13 +717,14 @@ DEFAULT_TILES = {
     # FP8 rows on grids of at least a tenth of the SMs at 16 heads, more than 16 heads: 32 heads a
     # program (98,304 B of shared memory, 240-245 registers on sm_90 and sm_120, no spills).
     "fp8_wide": (32, 0, 32, 8, 1, 0, False, True),
-    # The same on 4 warps where an SM's shared memory holds two of these tiles (the H200's, not
-    # sm_120's): 255 registers, about 40 spilled, let two programs share an SM.
-    "fp8_wide_pair": (32, 0, 32, 4, 1, 0, False, True),
 }
-# Shared memory of the FP8 32-head tile (either warp count; sm_90 and sm_120 alike, a CPU test
-# checks it) and what the hardware reserves per block (sm_80 and later).
-FP8_WIDE_SHARED = 98_304
+# FP8 tiles run on PAIRED_WARPS instead where their grid holds more programs than the GPU has SMs
+# and an SM's shared memory holds two of them (the H200's, not sm_120's): at 255 registers (a few
+# to 44 spilled) two programs then share an SM. FP8_TILE_SHARED: their shared memory by heads a
+# program (either warp count; sm_90 and sm_120 alike, a CPU test checks it); BLOCK_RESERVED_SHARED:
+# what the hardware reserves per block (sm_80 and later).
+PAIRED_WARPS = 4
+FP8_TILE_SHARED = {16: 81_920, 32: 98_304}
 BLOCK_RESERVED_SHARED = 1_024
 
 
@@ -731,8 +732,8 @@ def pick_config(batch: int, tokens: int, heads: int, head_dim: int, num_idx_tota
                 device: torch.device, num_splits: int | None = None, fp8_rows: bool = False) -> LaunchConfig:
     """The launch config for these shapes: DEFAULT_TILES of the row format (16 heads of one token a
     program, all value columns; "bf16_wide" for bf16 rows on grids wider than one wave, "fp8_wide"
-    for FP8 rows on grids of at least a tenth of the SMs' count with more than 16 heads, and
-    "fp8_wide_pair" instead where an SM's shared memory holds two of its tiles).
+    for FP8 rows on grids of at least a tenth of the SMs' count with more than 16 heads; FP8 tiles
+    on PAIRED_WARPS where two share an SM, see FP8_TILE_SHARED).
 
     H200, B=64, H=64, Dh 512, bf16 rows, one tile loop over both pools (bench/RESULTS.md
     "Seventeenth session"): BLOCK_N 64 on 2 stages against the sixth session's 32 on 3, CSA at
@@ -748,11 +749,14 @@ def pick_config(batch: int, tokens: int, heads: int, head_dim: int, num_idx_tota
     T=1 184.8 against 266.0, CSA B=16 T=2 71.1 against 81.5 (128 programs at 16 heads); lost at
     B=1 (16.7 against 13.5: 4 programs) and with H=16 (68.2 against 55.5). Grids of 8 to 128
     programs at 16 heads, each tile with its own split count ("Twenty-fourth session"): 32 heads
-    lost at 8 (+3.0 us), tied at 32, won at 16, 48 and 64 to 128 (-5.7 to -36.8 us). The 32-head
-    tile on 4 warps ("fp8_wide_pair", where two fit an SM's shared memory), paired against 8 on the
-    H200 ("Twenty-fifth session", us): CSA B=64 T=4 283.3 against 369.7, T=2 144.9 against 188.7,
-    HCA at 128K B=64 T=4 483.0 against 647.7, B=32 T=4 142.1 against 185.4, B=4 T=4 and B=16 T=1
-    -5.2, other grids of 32-64 programs -2.5 to -3.0, tied at B=64 T=1 (+0.2). Small grids split
+    lost at 8 (+3.0 us), tied at 32, won at 16, 48 and 64 to 128 (-5.7 to -36.8 us). FP8 tiles on
+    4 warps (two an SM), paired against 8 on the H200 ("Twenty-fifth session", us): 32 heads CSA
+    B=64 T=4 283.3 against 369.7, T=2 144.9 against 188.7, HCA at 128K B=64 T=4 483.0 against
+    647.7, B=32 T=4 142.1 against 185.4, B=4 T=4 and B=16 T=1 -5.2, other grids of 256-512 split
+    programs -2.5 to -3.0, tied at B=64 T=1 (+0.2, 3 splits then); 16 heads (H=16) B=64 T=1 34.8
+    against 45.8, T=4 115.8 against 156.4, HCA T=4 194.9 against 270.7, B=16 T=1 (160 programs)
+    -5.2; but +0.5 to +0.8 on grids of 40 to 120 programs (B=1 to 3 at H=64, B=8 at H=16), where
+    an SM holds one program either way and 8 warps give it more. Small grids split
     the index positions (split-K) as far as one wave of two programs an SM holds (`split_count`:
     the floor of twice the SMs over the programs; it was the ceiling). Paired on the H200 (us;
     "Twenty-fifth session"), where the two differ: FP8 rows (4-warp tile) CSA B=64 T=1 88.5
@@ -767,8 +771,6 @@ def pick_config(batch: int, tokens: int, heads: int, head_dim: int, num_idx_tota
         key = "bf16_wide"
     elif key == "fp8" and heads > DEFAULT_TILES[key][0] and 10 * programs16 >= _sm_count(device):
         key = "fp8_wide"
-        if _shared_per_sm(device) >= 2 * (FP8_WIDE_SHARED + BLOCK_RESERVED_SHARED):
-            key = "fp8_wide_pair"
     h_block, block_dv, block_n, num_warps, num_stages, max_splits, idx_asm, kv_halves = DEFAULT_TILES[key]
     block_d = triton.next_power_of_2(head_dim)
     block_dv = min(block_dv or block_d, block_d)
@@ -777,6 +779,9 @@ def pick_config(batch: int, tokens: int, heads: int, head_dim: int, num_idx_tota
     kv_halves = kv_halves and block_dv == block_d and block_d >= 64 and not (fp8_rows and block_d % (2 * SCALE_GROUP))
     programs = batch * tokens * triton.cdiv(heads, h_block) * (block_d // block_dv)
     num_splits = split_count(programs, num_idx_total, device, num_splits, max_splits or None)
+    if (fp8_rows and programs * num_splits > _sm_count(device)
+            and _shared_per_sm(device) >= 2 * (FP8_TILE_SHARED[h_block] + BLOCK_RESERVED_SHARED)):
+        num_warps = PAIRED_WARPS
     return LaunchConfig(h_block, block_dv, block_n, num_splits, num_warps, num_stages, idx_asm, kv_halves)
 
 

@@ -383,28 +383,33 @@ def test_pick_config_at_real_size(monkeypatch, fp8_rows, batch, tokens, heads, w
     assert cfg.num_splits == splits
 
 
-@pytest.mark.parametrize("shared_per_sm, warps", [
-    (233_472, 4),  # H100, H200, B200
-    (2 * (98_304 + 1_024), 4),
-    (2 * (98_304 + 1_024) - 1, 8),
-    (167_936, 8),  # A100
-    (102_400, 8),  # sm_120, sm_89
+@pytest.mark.parametrize("shared_per_sm, fits", [
+    (233_472, {16, 32}),  # H100, H200, B200: two of either tile
+    (2 * (98_304 + 1_024), {16, 32}),
+    (2 * (98_304 + 1_024) - 1, {16}),
+    (167_936, {16}),  # A100: two 16-head tiles only
+    (2 * (81_920 + 1_024) - 1, set()),
+    (102_400, set()),  # sm_120, sm_89
 ])
-@pytest.mark.parametrize("batch, tokens, heads, splits", [
-    (64, 1, 64, 2), (48, 1, 64, 2), (32, 1, 64, 4), (64, 4, 64, 1), (4, 4, 64, 8)])
-def test_fp8_wide_tile_takes_four_warps_where_two_fit_an_sm(monkeypatch, shared_per_sm, warps, batch, tokens,
-                                                            heads, splits):
-    """The FP8 32-head tile runs on 4 warps only where an SM's shared memory holds two of them (its
-    FP8_WIDE_SHARED plus the per-block reserve each), else on 8; nothing else of it changes (its
-    splits keep the grid within 264 programs, two an SM), and the 16-head tile of small grids keeps
-    8 warps everywhere."""
+@pytest.mark.parametrize("batch, tokens, heads, h_block, splits, programs", [
+    (64, 1, 64, 32, 2, 256), (48, 1, 64, 32, 2, 192), (32, 1, 64, 32, 4, 256), (64, 4, 64, 32, 1, 512),
+    (4, 4, 64, 32, 8, 256), (1, 4, 64, 32, 10, 80),
+    (64, 1, 16, 16, 4, 256), (16, 1, 16, 16, 10, 160), (8, 1, 16, 16, 10, 80), (1, 1, 64, 16, 10, 40),
+    (3, 1, 64, 16, 10, 120)])
+def test_fp8_tiles_take_four_warps_where_two_share_an_sm(monkeypatch, shared_per_sm, fits, batch, tokens, heads,
+                                                         h_block, splits, programs):
+    """An FP8 tile runs on PAIRED_WARPS where its split grid holds more programs than the 132 SMs and
+    an SM's shared memory holds two of it (FP8_TILE_SHARED plus the per-block reserve each), else on
+    8; nothing else of it changes (its splits keep the grid within 264 programs, two an SM)."""
     monkeypatch.setattr(sparse_mla_module, "_sm_count", lambda device: 132)
     monkeypatch.setattr(sparse_mla_module, "_shared_per_sm", lambda device: shared_per_sm)
     cfg = pick_config(batch, tokens, heads, 512, 640, torch.device("cpu"), fp8_rows=True)
+    warps = 4 if programs > 132 and h_block in fits else 8
     assert (cfg.h_block, cfg.block_dv, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.idx_asm,
-            cfg.kv_halves, cfg.num_splits) == (32, 512, 32, warps, 1, False, True, splits)
-    small = pick_config(1, 1, heads, 512, 640, torch.device("cpu"), fp8_rows=True)
-    assert (small.h_block, small.num_warps) == (16, 8)
+            cfg.kv_halves, cfg.num_splits) == (h_block, 512, 32, warps, 1, False, True, splits)
+    assert batch * tokens * (heads // h_block) * splits == programs
+    bf16 = pick_config(batch, tokens, heads, 512, 640, torch.device("cpu"))
+    assert bf16.num_warps == 4  # bf16 tiles keep their own warps
 
 
 def test_split_count_heuristic_and_cap():
@@ -461,24 +466,24 @@ for fmt in ("bf16", "fp8"):
         args = bench.make_inputs(bench.Case("csa", 2, tokens, 64, "csa", fmt, 512), cpu)
         launch = bench.sm.plan_sparse_mla(*args, out=torch.empty_like(args[0]), config=replace(cfg, num_splits=1))[0]
         print(fmt, tokens, cfg.h_block, bench.cross_compile(launch, 120).metadata.shared)
-        if fmt == "fp8" and tokens == 4:  # the same tile on 4 warps, where two fit an SM (sm_90)
-            four = bench.sm.plan_sparse_mla(*args, out=torch.empty_like(args[0]),
-                                            config=replace(cfg, num_splits=1, num_warps=4))[0]
-            print("fp8_4w", tokens, cfg.h_block, bench.cross_compile(four, 90).metadata.shared)
+        if fmt == "fp8" and tokens == 4:  # the FP8 tiles on 4 warps, where two share an SM (sm_90)
+            for h_block in (16, 32):
+                four = bench.sm.plan_sparse_mla(*args, out=torch.empty_like(args[0]),
+                                                config=replace(cfg, h_block=h_block, num_splits=1, num_warps=4))[0]
+                print("fp8_4w", tokens, h_block, bench.cross_compile(four, 90).metadata.shared)
 """
 
 
 def test_default_tiles_fit_sm120_shared_memory():
     """pick_config's tiles at real size (B=64, H=64, Dh=512, T=1 and 4, both row formats; the wide
     grids' 32-head tiles included) compiled for sm_120 stay within its 101,376 B of shared memory;
-    the FP8 32-head tile takes FP8_WIDE_SHARED there and, on 4 warps, for sm_90 (pick_config's
-    rule for 4 warps counts on it)."""
+    the FP8 tiles take FP8_TILE_SHARED there and, on 4 warps, for sm_90 (pick_config's rule for 4
+    warps counts on it)."""
     lines = run_compiled_script(_DEFAULTS_SM120, sparse_mla_module.__file__, timeout=600)
-    assert sorted((fmt, tokens) for fmt, tokens, _, _ in lines) == sorted(
-        [(fmt, tokens) for fmt in ("bf16", "fp8") for tokens in ("1", "4")] + [("fp8_4w", "4")])
-    assert {(fmt, tokens): h_block for fmt, tokens, h_block, _ in lines} == {
-        ("bf16", "1"): "16", ("bf16", "4"): "32", ("fp8", "1"): "32", ("fp8", "4"): "32", ("fp8_4w", "4"): "32"}
-    for fmt, _, _, shared in lines:
+    assert sorted((fmt, tokens, h_block) for fmt, tokens, h_block, _ in lines) == sorted(
+        [("bf16", "1", "16"), ("bf16", "4", "32"), ("fp8", "1", "32"), ("fp8", "4", "32"), ("fp8_4w", "4", "16"),
+         ("fp8_4w", "4", "32")])
+    for fmt, _, h_block, shared in lines:
         assert int(shared) <= 101_376
         if fmt.startswith("fp8"):
-            assert int(shared) == sparse_mla_module.FP8_WIDE_SHARED
+            assert int(shared) == sparse_mla_module.FP8_TILE_SHARED[int(h_block)]
