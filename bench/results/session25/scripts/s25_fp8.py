@@ -74,6 +74,11 @@ elif MODE == "splits":  # call 5: split counts of the 4-warp tiles at T=1
             "32h 4w 6 splits": (sm, (32, 32, 4, 1, 0, True, 6)),
             "16h 4w 1 split": (sm, (16, 32, 4, 1, 0, True, 1)),
             "16h 4w 2 splits": (sm, (16, 32, 4, 1, 0, True, 2))}
+elif MODE == "h16":  # call 9: the 16-head FP8 tile on 4 warps where it is the default
+    CFGS = {"HEAD default": (sm, None),
+            "16h 4 warps": (sm, "16h4w")}
+elif MODE == "final":  # call 10: the final rule's warps against the other count
+    CFGS = {"HEAD default": (sm, None), "4 warps": (sm, "w4"), "8 warps": (sm, "w8")}
 elif MODE == "verify":  # call 6: the one-wave split rule against the ceiling, both row formats
     CFGS = {"HEAD default": (sm, None), "ceil splits": (sm, "ceil"), "floor splits": (sm, "floor")}
 else:  # call 2: four warps across grids
@@ -114,6 +119,8 @@ def launches_for(name, args):
         B, T, H, D = args[0].shape
         ntot = args[3].shape[2] + (args[6].shape[2] if args[6] is not None else 0)
         cfg = mod.pick_config(B, T, H, D, ntot, dev, fp8_rows=args[1].dtype == torch.uint8)
+        if spec in ("16h4w", "w4", "w8"):
+            return out, mod.plan_sparse_mla(*args, out=out, config=replace(cfg, num_warps=8 if spec == "w8" else 4))
         ns = mod.split_count(B * T * triton.cdiv(H, cfg.h_block), ntot, dev, one_wave=spec == "floor")
         return out, mod.plan_sparse_mla(*args, out=out, config=replace(cfg, num_splits=ns))
     h, n, w, st, cap, halves, forced = (*spec, True, None)[:7] if len(spec) == 5 else (*spec, None)[:7]
@@ -128,6 +135,15 @@ def launches_for(name, args):
 
 def main():
     cases = {} if MODE == "variants" else {
+        f"{layer.upper()} fp8 B={bb} T={tt} H={hh}": b.make_inputs(b.Case("x", bb, tt, hh, layer, "fp8", 512 if layer == "csa" else 1024), dev)
+        for layer, bb, tt, hh in [("csa", 1, 4, 64), ("csa", 2, 2, 64), ("hca", 1, 4, 64), ("csa", 2, 4, 64),
+                                  ("csa", 64, 1, 16), ("csa", 16, 1, 16), ("csa", 64, 1, 64), ("csa", 3, 1, 64)]
+    } if MODE == "final" else {
+        f"{layer.upper()} fp8 B={bb} T={tt} H={hh}": b.make_inputs(b.Case("x", bb, tt, hh, layer, "fp8", 512 if layer == "csa" else 1024), dev)
+        for layer, bb, tt, hh in [("csa", 64, 1, 16), ("csa", 64, 4, 16), ("hca", 64, 1, 16), ("hca", 64, 4, 16),
+                                  ("csa", 32, 1, 16), ("csa", 16, 1, 16), ("csa", 1, 1, 64), ("csa", 2, 1, 64),
+                                  ("csa", 1, 2, 64), ("hca", 1, 1, 64), ("csa", 3, 1, 64), ("csa", 8, 1, 16)]
+    } if MODE == "h16" else {
         f"{layer.upper()} {fmt} B={bb} T={tt}": b.make_inputs(b.Case("x", bb, tt, 64, layer, fmt, 512 if layer == "csa" else 1024), dev)
         for layer, fmt, bb, tt in [("csa", "fp8", 64, 1), ("hca", "fp8", 64, 1), ("csa", "fp8", 48, 1), ("csa", "fp8", 32, 1),
                                    ("csa", "fp8", 24, 1), ("csa", "fp8", 16, 1), ("csa", "fp8", 8, 1), ("csa", "fp8", 16, 2),
