@@ -721,7 +721,8 @@ DEFAULT_TILES = {
 # FP8 tiles run on PAIRED_WARPS instead where their grid holds more programs than the GPU has SMs
 # and an SM's shared memory holds two of them (the H200's, not sm_120's): at 255 registers (a few
 # to 44 spilled) two programs then share an SM. FP8_TILE_SHARED: their shared memory by heads a
-# program (either warp count; sm_90 and sm_120 alike, a CPU test checks it); BLOCK_RESERVED_SHARED:
+# program at head dim 512 (less below it; either warp count; sm_90 and sm_120 alike, a CPU test
+# checks it); BLOCK_RESERVED_SHARED:
 # what the hardware reserves per block (sm_80 and later).
 PAIRED_WARPS = 4
 FP8_TILE_SHARED = {16: 81_920, 32: 98_304}
