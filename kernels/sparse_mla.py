@@ -722,8 +722,7 @@ DEFAULT_TILES = {
 # and an SM's shared memory holds two of them (the H200's, not sm_120's): at 255 registers (a few
 # to 44 spilled) two programs then share an SM. FP8_TILE_SHARED: their shared memory by heads a
 # program at head dim 512 (less below it; either warp count; sm_90 and sm_120 alike, a CPU test
-# checks it); BLOCK_RESERVED_SHARED:
-# what the hardware reserves per block (sm_80 and later).
+# checks it); BLOCK_RESERVED_SHARED: what the hardware reserves per block (sm_80 and later).
 PAIRED_WARPS = 4
 FP8_TILE_SHARED = {16: 81_920, 32: 98_304}
 BLOCK_RESERVED_SHARED = 1_024
@@ -757,8 +756,8 @@ def pick_config(batch: int, tokens: int, heads: int, head_dim: int, num_idx_tota
     programs -2.5 to -3.0, tied at B=64 T=1 (+0.2, 3 splits then); 16 heads (H=16) B=64 T=1 34.8
     against 45.8, T=4 115.8 against 156.4, HCA T=4 194.9 against 270.7, B=16 T=1 (160 programs)
     -5.2; but +0.5 to +0.8 on grids of 40 to 120 programs (B=1 to 3 at H=64, B=8 at H=16), where
-    an SM holds one program either way and 8 warps give it more. Small grids split
-    the index positions (split-K) as far as one wave of two programs an SM holds (`split_count`:
+    an SM holds one program either way and 8 warps give it more. Small grids split the index
+    positions (split-K) as far as one wave of two programs an SM holds (`split_count`:
     the floor of twice the SMs over the programs; it was the ceiling). Paired on the H200 (us;
     "Twenty-fifth session"), where the two differ: FP8 rows (4-warp tile) CSA B=64 T=1 88.5
     against 113.2, HCA B=64 145 against 185, B=48 84.8 against 97.9, B=32 49.7 against 69.6, B=16
