@@ -18,7 +18,10 @@ gathers in flight while a tile is attended. kv_halves splits the head dims in tw
 independent QK MMA chains, and the halves share each row's address arithmetic. For small
 grids the index positions are split across programs (split-K): each split writes its normalised
 partial output and log-sum-exp (`dsv4::sparse_mla_partials`, whose reference is the spec of the
-split), and a combine kernel merges them and adds the sink.
+split), and a combine kernel merges them and adds the sink. FP8 rows of grids with many heads and
+tokens are first staged (`fp8_rows`: the selected rows dequantised, exactly, into rows of q's
+dtype by a gather launch) and the bf16 tile attends the staged rows: faster on the H200 than the
+FP8 tile, whose dequantisation in the tile loop costs registers and occupancy (`stages_fp8_rows`).
 
 Out-of-range indices (idx < 0 or idx >= number of rows of the pool) are treated as skip by both
 the kernel and the reference: they are never read, and no host sync is needed to validate them.
@@ -33,9 +36,9 @@ import triton
 import triton.language as tl
 
 from ._runtime import triton_runs_on
+from .fp8_rows import SCALE_GROUP, _load_rows, dequantize_fp8_rows, stage_fp8_rows_launch
 
 LOG2E = 1.4426950408889634
-SCALE_GROUP = 64  # nope dims per ue8m0 exponent in FP8 rows
 SPLIT_TILE = 32  # index positions per tile; split-K hands each split a run of whole tiles
 # Splits the combine kernel merges at a time: [16, 512] f32 partial rows are 64 values a thread on
 # 4 warps. All splits at once spilled ~5.8 KB a thread (sm_90 ptxas) at B=1, T=1 on the H200, where
@@ -44,21 +47,6 @@ COMBINE_SPLITS = 16
 
 
 # ----------------------------------------------------------------------------- reference
-
-
-def dequantize_fp8_rows(rows: torch.Tensor, scales: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """FP8 rows [N, nope + 2*rope] uint8 + exponents [N, >= nope/64] uint8 -> [N, head_dim] f32.
-
-    nope = 2*head_dim - row_bytes e4m3 values, each times 2^(e-127) of its 64-dim group, then
-    rope = row_bytes - head_dim bf16 values stored as little-endian byte pairs.
-    """
-    rope = rows.shape[1] - head_dim
-    nope = head_dim - rope
-    nope_vals = rows[:, :nope].contiguous().view(torch.float8_e4m3fn).float()
-    exps = scales[:, : nope // SCALE_GROUP].float() - 127.0
-    nope_vals = nope_vals * torch.exp2(exps).repeat_interleave(SCALE_GROUP, dim=1)
-    rope_vals = rows[:, nope:].contiguous().view(torch.bfloat16).float()
-    return torch.cat([nope_vals, rope_vals], dim=1)
 
 
 def _pool_logits_and_values(q32, rows, scales, idx, scale):
@@ -261,37 +249,6 @@ def validate_sparse_mla_inputs(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, e
 
 
 # ----------------------------------------------------------------------------- Triton kernels
-
-
-@triton.jit
-def _load_rows(kv_ptr, rope_ptr, scale_ptr, rows, row_ok, col0,
-               stride_row, stride_col, stride_rope_row, stride_scale_row,
-               HEAD_DIM: tl.constexpr, NOPE: tl.constexpr, FP8: tl.constexpr, OUT_DTYPE: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
-    """Columns [col0, col0 + BLOCK_W) of rows `rows` [BN] (int64) of a pool -> [BN, BLOCK_W] OUT_DTYPE.
-
-    Lanes not row_ok (and columns >= HEAD_DIM) are 0 and unread. FP8 rows need col0 % 64 == 0.
-    """
-    rows2 = rows[:, None]
-    d2 = col0 + tl.arange(0, BLOCK_W)[None, :]
-    if FP8:
-        nope_mask = row_ok[:, None] & (d2 < NOPE)
-        e4m3 = tl.load(kv_ptr + rows2 * stride_row + d2, mask=nope_mask, other=0.0)
-        # one exponent per 64 dims: load [BN, BLOCK_W/64] and broadcast, not one load per element
-        groups = col0 // 64 + tl.arange(0, BLOCK_W // 64)
-        exps = tl.load(scale_ptr + rows2 * stride_scale_row + groups[None, :],
-                       mask=row_ok[:, None] & (groups[None, :] < NOPE // 64), other=127)
-        # e4m3 (4 significant bits) times a power of two is exact in bf16: no f32 tile is needed
-        mult = tl.exp2(exps.to(tl.float32) - 127.0).to(OUT_DTYPE)
-        mult = tl.reshape(tl.broadcast_to(mult[:, :, None], (BLOCK_N, BLOCK_W // 64, 64)), (BLOCK_N, BLOCK_W))
-        nope = e4m3.to(OUT_DTYPE) * mult
-        rope_mask = row_ok[:, None] & (d2 >= NOPE) & (d2 < HEAD_DIM)
-        rope = tl.load(rope_ptr + rows2 * stride_rope_row + (d2 - NOPE), mask=rope_mask, other=0.0)
-        vals = tl.where(d2 < NOPE, nope, rope.to(OUT_DTYPE))
-    else:
-        vals = tl.load(kv_ptr + rows2 * stride_row + d2 * stride_col,
-                       mask=row_ok[:, None] & (d2 < HEAD_DIM), other=0.0)
-    return vals.to(OUT_DTYPE)
 
 
 @triton.jit
@@ -655,7 +612,9 @@ class LaunchConfig:
     means all of them); block_n index positions per tile; idx_asm: the tile
     loop's index loads are inline asm, out of the pipeliner's reach, so that its waits keep
     num_stages - 2 gathers in flight (see `_tile_rows`; 2 stages keep none either way); kv_halves:
-    the head dims in two column halves, two independent QK dot chains (all value columns only).
+    the head dims in two column halves, two independent QK dot chains (all value columns only);
+    stage_fp8: FP8 rows are first staged into rows of q's dtype (`fp8_rows`), which this tile then
+    attends.
     """
 
     h_block: int
@@ -666,6 +625,7 @@ class LaunchConfig:
     num_stages: int
     idx_asm: bool = False
     kv_halves: bool = False
+    stage_fp8: bool = False
 
 
 _SM_PROPS: dict[int, tuple[int, int]] = {}
@@ -726,14 +686,36 @@ DEFAULT_TILES = {
 PAIRED_WARPS = 4
 FP8_TILE_SHARED = {16: 81_920, 32: 98_304}
 BLOCK_RESERVED_SHARED = 1_024
+# FP8 rows are staged (dequantised into rows of q's dtype by one gather launch, then attended by the
+# bf16 tile) when a token has more than STAGE_MIN_HEADS heads and the grid at least STAGE_MIN_TOKENS
+# tokens; requests are staged in chunks of at most STAGE_MAX_BYTES of staged rows (a transient
+# workspace sized by the index lists' capacity, not their valid entries).
+STAGE_MIN_HEADS = 32
+STAGE_MIN_TOKENS = 8
+STAGE_MAX_BYTES = 256 << 20
+
+
+def stages_fp8_rows(batch: int, tokens: int, heads: int) -> bool:
+    """Whether FP8 rows are staged before attention (see STAGE_MIN_HEADS).
+
+    H200, paired against the FP8 tile ("Twenty-sixth session", us; staging programs of 4 positions):
+    H=64 CSA B=64 T=1 64.3 against 89.3, T=4 209.6 against 283.9, HCA at 128K T=1 104.8 against
+    145.9, T=4 (two chunks) 353.4 against 486.1, B=8 to 32 T=1 and B=2 to 4 T=2 to 4 -3.6 to -12.0;
+    FlashMLA's config (B=128, h=128, s_q=2, top-k 2048; two chunks) 1,024 against 1,727. With
+    16-position programs staging lost at H=32 B=64 (+3.9), H=16 (+15.0) and 4 tokens (B=1 T=4, B=4
+    T=1: +0.7 to +1.3).
+    """
+    return heads > STAGE_MIN_HEADS and batch * tokens >= STAGE_MIN_TOKENS
 
 
 def pick_config(batch: int, tokens: int, heads: int, head_dim: int, num_idx_total: int,
-                device: torch.device, num_splits: int | None = None, fp8_rows: bool = False) -> LaunchConfig:
+                device: torch.device, num_splits: int | None = None, fp8_rows: bool = False,
+                allow_staging: bool = True) -> LaunchConfig:
     """The launch config for these shapes: DEFAULT_TILES of the row format (16 heads of one token a
     program, all value columns; "bf16_wide" for bf16 rows on grids wider than one wave, "fp8_wide"
     for FP8 rows on grids of at least a tenth of the SMs' count with more than 16 heads; FP8 tiles
-    on PAIRED_WARPS where two share an SM, see FP8_TILE_SHARED).
+    on PAIRED_WARPS where two share an SM, see FP8_TILE_SHARED). FP8 rows that `stages_fp8_rows`
+    (unless not allow_staging) take the bf16 tile of one staging chunk's requests, stage_fp8 set.
 
     H200, B=64, H=64, Dh 512, bf16 rows, one tile loop over both pools (bench/RESULTS.md
     "Seventeenth session"): BLOCK_N 64 on 2 stages against the sixth session's 32 on 3, CSA at
@@ -765,6 +747,10 @@ def pick_config(batch: int, tokens: int, heads: int, head_dim: int, num_idx_tota
     -1.1 to -1.2; bf16 rows CSA B=32 T=1 26.0 against 35.3, HCA 41.1 against 52.8, CSA and HCA
     B=16 and CSA B=8 T=2 -4.3 to -4.5; where they agree, equal.
     """
+    if fp8_rows and allow_staging and stages_fp8_rows(batch, tokens, heads):
+        chunk = stage_chunk(batch, tokens, num_idx_total, head_dim)
+        return replace(pick_config(chunk, tokens, heads, head_dim, num_idx_total, device, num_splits),
+                       stage_fp8=True)
     key = "fp8" if fp8_rows else "bf16"
     programs16 = batch * tokens * triton.cdiv(heads, DEFAULT_TILES[key][0])
     if key == "bf16" and programs16 > 2 * _sm_count(device):
@@ -833,6 +819,9 @@ def plan_sparse_mla(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx, s
     num_extra = extra_idx.shape[2] if layout.has_extra else 0
     cfg = config or pick_config(batch, tokens, heads, head_dim, idx.shape[2] + num_extra, q.device, num_splits,
                                 layout.fp8)
+    if layout.fp8 and cfg.stage_fp8:
+        return _staged_plan(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx, sink, scale, out,
+                            replace(cfg, stage_fp8=False), partials, layout)
     if partials is not None:  # exactly the caller's S (pick_config caps S at the tile count)
         if out is not None:
             raise ValueError("plan_sparse_mla: give out or partials, not both")
@@ -886,6 +875,42 @@ def plan_sparse_mla(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx, s
     if not split or partials is not None:
         return [fwd]
     return [fwd, combine_launch(part_lse, part_out, sink, out)]
+
+
+def stage_chunk(batch: int, tokens: int, num_idx_total: int, head_dim: int, value_bytes: int = 2) -> int:
+    """Requests a staging chunk takes: as many as keep its staged rows within STAGE_MAX_BYTES (at
+    least one), spread evenly over the fewest chunks."""
+    per_request = tokens * max(num_idx_total, 1) * head_dim * value_bytes
+    chunks = triton.cdiv(batch, max(1, min(batch, STAGE_MAX_BYTES // per_request)))
+    return triton.cdiv(batch, chunks)
+
+
+def _staged_plan(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx, sink, scale, out, cfg: LaunchConfig,
+                 partials, layout: _Layout) -> list[KernelLaunch]:
+    """`plan_sparse_mla` of FP8 rows staged into rows of q's dtype, `stage_chunk` requests at a time:
+    per chunk, the staging of both pools into one buffer (main list's rows first, the buffer
+    shared by the chunks) and the tile `cfg` over the staged rows."""
+    batch, tokens = idx.shape[:2]
+    lists = [(kv, kv_scale, idx)] + ([(extra_kv, extra_kv_scale, extra_idx)] if layout.has_extra else [])
+    width = sum(lst.shape[2] for _, _, lst in lists)
+    chunk = stage_chunk(batch, tokens, width, layout.head_dim, q.element_size())
+    buf = torch.empty((max(chunk * tokens * width, 1), layout.head_dim), dtype=q.dtype, device=q.device)
+    launches = []
+    for b0 in range(0, batch, chunk):
+        rows_of = slice(b0, min(batch, b0 + chunk))
+        staged_idx, base = [], 0
+        for rows, scales, lst in lists:
+            out_idx = torch.empty(lst[rows_of].shape, dtype=torch.int32, device=q.device)
+            if out_idx.numel():  # an empty list has nothing to stage (and no grid)
+                launches.append(KernelLaunch(*stage_fp8_rows_launch(
+                    _pool_args(rows, scales, layout), lst[rows_of], layout.head_dim, layout.nope, buf, out_idx, base)))
+            staged_idx.append(out_idx)
+            base += out_idx.numel()
+        extra = (buf, None, staged_idx[1]) if layout.has_extra else (None, None, None)
+        launches += plan_sparse_mla(
+            q[rows_of], buf, None, staged_idx[0], *extra, sink, scale, None if out is None else out[rows_of],
+            config=cfg, partials=None if partials is None else (partials[0][rows_of], partials[1][rows_of]))
+    return launches
 
 
 def sparse_mla_triton(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx, sink, scale,

@@ -7,6 +7,7 @@ absolute): |v| <= ~5 here, hence atol 2e-2, rtol 1e-2. With f32 everything is f3
 only the summation order and exp2-vs-exp differ: atol = rtol = 1e-4.
 """
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -343,6 +344,73 @@ def test_forced_config_partials_match_reference(cfg, fmt):
     torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("layer, extra_len", [("csa", 40), ("hca", 33), ("csa", 0)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("chunk_bytes", [None, 1])
+def test_staged_fp8_rows_match_reference(monkeypatch, layer, extra_len, num_splits, chunk_bytes):
+    """FP8 rows staged into bf16 rows (stage_fp8) then attended by a bf16 tile, in one chunk or (a
+    STAGE_MAX_BYTES of 1) one request a chunk; tolerance: TOL (the staged rows are exact)."""
+    if chunk_bytes is not None:
+        monkeypatch.setattr(sparse_mla_module, "STAGE_MAX_BYTES", chunk_bytes)
+    args = forced_inputs(11 + num_splits, "fp8", layer, 19, extra_len)
+    config = LaunchConfig(16, 128, 32, num_splits, 4, 2, False, True, stage_fp8=True)
+    q = args[0]
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype)
+    launches = plan_sparse_mla(*args, out=out, config=config)
+    stagings = sum(launch.kernel.fn.__name__ == "_stage_fp8_rows_kernel" for launch in launches)
+    assert stagings == (2 if chunk_bytes else 1) * (2 if extra_len else 1)
+    for launch in launches:
+        launch.kernel[launch.grid](*launch.args, **launch.meta)
+    torch.testing.assert_close(out, sparse_mla_reference(*args), **TOL[q.dtype])
+    assert torch.equal(out[1, 2], torch.zeros_like(out[1, 2]))
+
+
+def test_staged_fp8_rows_partials_match_reference(monkeypatch):
+    """The split-K pass alone over staged FP8 rows, one request a chunk: f32 partials, atol = rtol =
+    1e-4 (f32 dots on CPU; summation order and exp2 only)."""
+    monkeypatch.setattr(sparse_mla_module, "STAGE_MAX_BYTES", 1)
+    q, kv, kv_scale, idx, ekv, esc, eidx, _, scale = forced_inputs(5, "fp8", "csa", 19, 40)
+    batch, tokens, heads, head_dim = q.shape
+    out = torch.full((batch, tokens, heads, 3, head_dim), float("nan"))
+    lse = torch.full((batch, tokens, heads, 3), float("nan"))
+    config = LaunchConfig(16, 128, 32, 3, 4, 2, False, True, stage_fp8=True)
+    for launch in plan_sparse_mla(q, kv, kv_scale, idx, ekv, esc, eidx, None, scale, None, config=config,
+                                  partials=(out, lse)):
+        launch.kernel[launch.grid](*launch.args, **launch.meta)
+    want_out, want_lse = sparse_mla_partials_reference(q, kv, kv_scale, idx, ekv, esc, eidx, scale, 3)
+    torch.testing.assert_close(out, want_out, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("batch, tokens, heads, staged", [
+    (64, 1, 64, True), (2, 4, 64, True), (8, 1, 64, True), (4, 2, 48, True),
+    (1, 4, 64, False), (7, 1, 64, False), (64, 1, 32, False), (64, 4, 16, False)])
+def test_fp8_rows_staged_where_the_rule_says(monkeypatch, batch, tokens, heads, staged):
+    """More than 32 heads and at least 8 tokens: staged, with the bf16 tile of one chunk's requests;
+    else the FP8 tile; allow_staging=False always gives the FP8 tile."""
+    monkeypatch.setattr(sparse_mla_module, "_sm_count", lambda device: 132)
+    cpu = torch.device("cpu")
+    cfg = pick_config(batch, tokens, heads, 512, 640, cpu, fp8_rows=True)
+    assert cfg.stage_fp8 == staged
+    direct = pick_config(batch, tokens, heads, 512, 640, cpu, fp8_rows=True, allow_staging=False)
+    assert not direct.stage_fp8
+    if staged:
+        assert cfg == replace(pick_config(batch, tokens, heads, 512, 640, cpu), stage_fp8=True)
+    else:
+        assert cfg == direct
+
+
+def test_stage_chunk_spreads_requests_within_the_cap(monkeypatch):
+    """Chunks hold at most STAGE_MAX_BYTES of staged rows (one request when a request exceeds it),
+    spread evenly over the fewest chunks."""
+    per_request = 4 * 1152 * 512 * 2  # HCA at 128K, T=4, bf16
+    monkeypatch.setattr(sparse_mla_module, "STAGE_MAX_BYTES", 256 << 20)
+    assert sparse_mla_module.stage_chunk(64, 4, 1152, 512) == 32  # 56 fit: two chunks of 32
+    assert sparse_mla_module.stage_chunk(16, 4, 1152, 512) == 16
+    monkeypatch.setattr(sparse_mla_module, "STAGE_MAX_BYTES", per_request - 1)
+    assert sparse_mla_module.stage_chunk(5, 4, 1152, 512) == 1
+
+
 def test_bad_value_column_block_raises():
     args = forced_inputs(0, "fp8", "csa", 4, 8)
     with pytest.raises(ValueError, match="block_dv"):
@@ -360,13 +428,13 @@ def test_kv_halves_needs_all_value_columns():
     (False, 64, 1, 64, (16, 512, 64, 4, 2, True, True), 1),
     # bf16 rows, four waves at 16 heads: 32 heads, 32-row tiles
     (False, 64, 4, 64, (32, 512, 32, 4, 2, True, True), 1),
-    # FP8 rows, 16 or more programs at 16 heads: 32 heads, 1 stage, two halves, 98,304 B; 128
-    # programs at T=1 split the positions in 2 (256 programs: within two an SM), 64 in 4
-    (True, 64, 1, 64, (32, 512, 32, 8, 1, False, True), 2),
-    (True, 64, 4, 64, (32, 512, 32, 8, 1, False, True), 1),
-    (True, 16, 2, 64, (32, 512, 32, 8, 1, False, True), 4),
-    # FP8 rows, 16 heads (grid of 16 at 16 heads, a tenth of the SMs or more): 32 heads, 10 splits
+    # FP8 rows, 8 or more tokens at more than 32 heads: staged, then bf16 rows' tiles
+    (True, 64, 1, 64, (16, 512, 64, 4, 2, True, True), 1),
+    (True, 64, 4, 64, (32, 512, 32, 4, 2, True, True), 1),
+    # FP8 rows, 16 or more programs at 16 heads (a tenth of the SMs or more), fewer than 8 tokens or
+    # 32 heads: 32 heads a program, 1 stage, two halves, 98,304 B; split within two programs an SM
     (True, 4, 1, 64, (32, 512, 32, 8, 1, False, True), 10),
+    (True, 64, 1, 32, (32, 512, 32, 8, 1, False, True), 4),
     # FP8 rows, 16 heads a program: four or eight programs (B=1, 2), or no more than 16 heads
     (True, 1, 1, 64, (16, 512, 32, 8, 1, False, True), 10),
     (True, 2, 1, 64, (16, 512, 32, 8, 1, False, True), 10),
@@ -381,6 +449,7 @@ def test_pick_config_at_real_size(monkeypatch, fp8_rows, batch, tokens, heads, w
     assert (cfg.h_block, cfg.block_dv, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.idx_asm,
             cfg.kv_halves) == want
     assert cfg.num_splits == splits
+    assert cfg.stage_fp8 == (fp8_rows and want[-2])  # staged FP8 rows take bf16 tiles (idx_asm)
 
 
 @pytest.mark.parametrize("shared_per_sm, fits", [
@@ -398,12 +467,12 @@ def test_pick_config_at_real_size(monkeypatch, fp8_rows, batch, tokens, heads, w
     (3, 1, 64, 16, 10, 120)])
 def test_fp8_tiles_take_four_warps_where_two_share_an_sm(monkeypatch, shared_per_sm, fits, batch, tokens, heads,
                                                          h_block, splits, programs):
-    """An FP8 tile runs on PAIRED_WARPS where its split grid holds more programs than the 132 SMs and
+    """An FP8 tile (not staged) runs on PAIRED_WARPS where its split grid holds more programs than the 132 SMs and
     an SM's shared memory holds two of it (FP8_TILE_SHARED plus the per-block reserve each), else on
     8; nothing else of it changes (its splits keep the grid within 264 programs, two an SM)."""
     monkeypatch.setattr(sparse_mla_module, "_sm_count", lambda device: 132)
     monkeypatch.setattr(sparse_mla_module, "_shared_per_sm", lambda device: shared_per_sm)
-    cfg = pick_config(batch, tokens, heads, 512, 640, torch.device("cpu"), fp8_rows=True)
+    cfg = pick_config(batch, tokens, heads, 512, 640, torch.device("cpu"), fp8_rows=True, allow_staging=False)
     warps = 4 if programs > 132 and h_block in fits else 8
     assert (cfg.h_block, cfg.block_dv, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.idx_asm,
             cfg.kv_halves, cfg.num_splits) == (h_block, 512, 32, warps, 1, False, True, splits)
@@ -462,10 +531,14 @@ bench.sm._sm_count = lambda device: 132
 cpu = torch.device("cpu")
 for fmt in ("bf16", "fp8"):
     for tokens in (1, 4):
-        cfg = bench.sm.pick_config(64, tokens, 64, 512, 640, cpu, fp8_rows=fmt == "fp8")
+        cfg = bench.sm.pick_config(64, tokens, 64, 512, 640, cpu, fp8_rows=fmt == "fp8", allow_staging=False)
         args = bench.make_inputs(bench.Case("csa", 2, tokens, 64, "csa", fmt, 512), cpu)
         launch = bench.sm.plan_sparse_mla(*args, out=torch.empty_like(args[0]), config=replace(cfg, num_splits=1))[0]
         print(fmt, tokens, cfg.h_block, bench.cross_compile(launch, 120).metadata.shared)
+        if fmt == "fp8":  # the staging of FP8 rows (its first launch) where pick_config stages them
+            staged = bench.sm.pick_config(64, tokens, 64, 512, 640, cpu, fp8_rows=True)
+            launch = bench.sm.plan_sparse_mla(*args, out=torch.empty_like(args[0]), config=staged)[0]
+            print("staging", tokens, 0, bench.cross_compile(launch, 120).metadata.shared)
         if fmt == "fp8" and tokens == 4:  # the FP8 tiles on 4 warps, where two share an SM (sm_90)
             for h_block in (16, 32):
                 four = bench.sm.plan_sparse_mla(*args, out=torch.empty_like(args[0]),
@@ -476,13 +549,14 @@ for fmt in ("bf16", "fp8"):
 
 def test_default_tiles_fit_sm120_shared_memory():
     """pick_config's tiles at real size (B=64, H=64, Dh=512, T=1 and 4, both row formats; the wide
-    grids' 32-head tiles included) compiled for sm_120 stay within its 101,376 B of shared memory;
+    grids' 32-head tiles and the staging of FP8 rows included) compiled for sm_120 stay within its
+    101,376 B of shared memory;
     the FP8 tiles take FP8_TILE_SHARED there and, on 4 warps, for sm_90 (pick_config's rule for 4
     warps counts on it)."""
     lines = run_compiled_script(_DEFAULTS_SM120, sparse_mla_module.__file__, timeout=600)
     assert sorted((fmt, tokens, h_block) for fmt, tokens, h_block, _ in lines) == sorted(
         [("bf16", "1", "16"), ("bf16", "4", "32"), ("fp8", "1", "32"), ("fp8", "4", "32"), ("fp8_4w", "4", "16"),
-         ("fp8_4w", "4", "32")])
+         ("fp8_4w", "4", "32"), ("staging", "1", "0"), ("staging", "4", "0")])
     for fmt, _, h_block, shared in lines:
         assert int(shared) <= 101_376
         if fmt.startswith("fp8"):
