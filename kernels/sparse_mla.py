@@ -691,7 +691,7 @@ BLOCK_RESERVED_SHARED = 1_024
 # tokens; requests are staged in chunks of at most STAGE_MAX_BYTES of staged rows (a transient
 # workspace sized by the index lists' capacity, not their valid entries).
 STAGE_MIN_HEADS = 32
-STAGE_MIN_TOKENS = 8
+STAGE_MIN_TOKENS = 4
 STAGE_MAX_BYTES = 256 << 20
 
 
@@ -700,10 +700,10 @@ def stages_fp8_rows(batch: int, tokens: int, heads: int) -> bool:
 
     H200, paired against the FP8 tile ("Twenty-sixth session", us; staging programs of 4 positions):
     H=64 CSA B=64 T=1 64.3 against 89.3, T=4 209.6 against 283.9, HCA at 128K T=1 104.8 against
-    145.9, T=4 (two chunks) 353.4 against 486.1, B=8 to 32 T=1 and B=2 to 4 T=2 to 4 -3.6 to -12.0;
-    FlashMLA's config (B=128, h=128, s_q=2, top-k 2048; two chunks) 1,024 against 1,727. With
-    16-position programs staging lost at H=32 B=64 (+3.9), H=16 (+15.0) and 4 tokens (B=1 T=4, B=4
-    T=1: +0.7 to +1.3).
+    145.9, T=4 (two chunks) 353.4 against 486.1, 8 to 32 tokens -3.6 to -12.0, 4 to 6 tokens -0.4
+    to -1.0 (HCA B=1 T=4 -3.7), H=48 B=64 -24.0; FlashMLA's config (B=128, h=128, s_q=2, top-k
+    2048; two chunks) 1,024 against 1,727. Not staged: 1 to 3 tokens (-0.25 to +0.18, HCA B=2 -1.0),
+    H=32 (B=4 and 8 +0.5 / +0.15, B=16 and 64 -2.3 / -1.3), H=24 (+0.03), H=16 (+10.0).
     """
     return heads > STAGE_MIN_HEADS and batch * tokens >= STAGE_MIN_TOKENS
 

@@ -383,10 +383,10 @@ def test_staged_fp8_rows_partials_match_reference(monkeypatch):
 
 
 @pytest.mark.parametrize("batch, tokens, heads, staged", [
-    (64, 1, 64, True), (2, 4, 64, True), (8, 1, 64, True), (4, 2, 48, True),
-    (1, 4, 64, False), (7, 1, 64, False), (64, 1, 32, False), (64, 4, 16, False)])
+    (64, 1, 64, True), (2, 4, 64, True), (1, 4, 64, True), (4, 1, 64, True), (2, 2, 48, True),
+    (3, 1, 64, False), (1, 2, 64, False), (64, 1, 32, False), (64, 4, 16, False)])
 def test_fp8_rows_staged_where_the_rule_says(monkeypatch, batch, tokens, heads, staged):
-    """More than 32 heads and at least 8 tokens: staged, with the bf16 tile of one chunk's requests;
+    """More than 32 heads and at least 4 tokens: staged, with the bf16 tile of one chunk's requests;
     else the FP8 tile; allow_staging=False always gives the FP8 tile."""
     monkeypatch.setattr(sparse_mla_module, "_sm_count", lambda device: 132)
     cpu = torch.device("cpu")
@@ -428,12 +428,13 @@ def test_kv_halves_needs_all_value_columns():
     (False, 64, 1, 64, (16, 512, 64, 4, 2, True, True), 1),
     # bf16 rows, four waves at 16 heads: 32 heads, 32-row tiles
     (False, 64, 4, 64, (32, 512, 32, 4, 2, True, True), 1),
-    # FP8 rows, 8 or more tokens at more than 32 heads: staged, then bf16 rows' tiles
+    # FP8 rows, 4 or more tokens at more than 32 heads: staged, then bf16 rows' tiles
     (True, 64, 1, 64, (16, 512, 64, 4, 2, True, True), 1),
     (True, 64, 4, 64, (32, 512, 32, 4, 2, True, True), 1),
-    # FP8 rows, 16 or more programs at 16 heads (a tenth of the SMs or more), fewer than 8 tokens or
-    # 32 heads: 32 heads a program, 1 stage, two halves, 98,304 B; split within two programs an SM
-    (True, 4, 1, 64, (32, 512, 32, 8, 1, False, True), 10),
+    (True, 4, 1, 64, (16, 512, 64, 4, 2, True, True), 10),
+    # FP8 rows at 32 heads, 16 or more programs at 16 heads (a tenth of the SMs or more): 32 heads a
+    # program, 1 stage, two halves, 98,304 B; split within two programs an SM
+    (True, 8, 1, 32, (32, 512, 32, 8, 1, False, True), 10),
     (True, 64, 1, 32, (32, 512, 32, 8, 1, False, True), 4),
     # FP8 rows, 16 heads a program: four or eight programs (B=1, 2), or no more than 16 heads
     (True, 1, 1, 64, (16, 512, 32, 8, 1, False, True), 10),
