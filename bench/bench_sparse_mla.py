@@ -298,10 +298,11 @@ def run_case(case: Case, device, smoke: bool, sm120: dict) -> Result:
     res.floor_us = max(res.bytes / HBM_BYTES_PER_S, res.flops / BF16_FLOPS_PER_S) * 1e6
     out = torch.empty_like(args[0])
     launches = sm.plan_sparse_mla(*args, out=out)
-    fwd = launches[0]
+    fwd = next(launch for launch in launches if launch.kernel is sm._sparse_mla_fwd)
     res.config = {k: fwd.meta[k]
                   for k in ("H_BLOCK", "BLOCK_DV", "BLOCK_N", "num_warps", "num_stages", "IDX_ASM", "KV_HALVES")}
-    res.config.update(num_splits=fwd.grid[1], grid=list(fwd.grid))
+    res.config.update(num_splits=fwd.grid[1], grid=list(fwd.grid),
+                      staged_fp8=any(launch.kernel.fn.__name__ == "_stage_fp8_rows_kernel" for launch in launches))
     # the configs run here, cross-compiled for sm_120 after the timings (check_sm120)
     for launch in launches:
         key = (launch.kernel.fn.__name__, tuple(sorted((k, str(v)) for k, v in launch.meta.items())))

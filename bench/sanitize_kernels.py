@@ -100,17 +100,20 @@ def sparse_mla_cases() -> None:
         args[6] = torch.cat([args[6], torch.full((1, tokens, 7168), -1, dtype=torch.int32, device=DEVICE)], dim=2)
         _, err = _sparse_mla_checked(args)
         print(f"sparse_mla hca bf16 B=1 T={tokens} over 8,192 positions: ok (max abs err {err:.2e})", flush=True)
-    # Grids wider than one wave at 16 heads a program (B=64): the "bf16_wide" tiles (T=4) and the
-    # FP8 rows' "fp8_wide" tiles (T=1 with split-K, T=4 without) and, at 16 heads, the "fp8" tile
-    # (split in 4), each on 4 warps where two share an SM, with holes.
-    for fmt, tokens, heads in (("bf16", 4, 64), ("fp8", 1, 64), ("fp8", 4, 64), ("fp8", 1, 16)):
-        case = bench_sparse_mla.Case("sanitize", 64, tokens, heads, "csa", fmt, 512)
+    # Grids wider than one wave at 16 heads a program (B=64): the "bf16_wide" tiles (T=4); FP8 rows
+    # staged into bf16 rows (CSA T=1 and 4, with split-K at T=1; HCA T=4 in two chunks of
+    # STAGE_MAX_BYTES); FP8 rows' "fp8_wide" tile at 32 heads and the "fp8" tile at 16 (not staged,
+    # split in 4), each on 4 warps where two share an SM; with holes.
+    for fmt, tokens, heads, layer, extra_len in (("bf16", 4, 64, "csa", 512), ("fp8", 1, 64, "csa", 512),
+                                                 ("fp8", 4, 64, "csa", 512), ("fp8", 4, 64, "hca", 1024),
+                                                 ("fp8", 1, 32, "csa", 512), ("fp8", 1, 16, "csa", 512)):
+        case = bench_sparse_mla.Case("sanitize", 64, tokens, heads, layer, fmt, extra_len)
         args = list(bench_sparse_mla.make_inputs(case, DEVICE))
         args[3], args[6] = args[3].clone(), args[6].clone()
         args[3][::3, :, ::7] = -1
         args[6][::2, :, ::5] = -1
         _, err = _sparse_mla_checked(args)
-        print(f"sparse_mla csa {fmt} B=64 T={tokens} H={heads} (wide-grid tiles): ok (max abs err {err:.2e})",
+        print(f"sparse_mla {layer} {fmt} B=64 T={tokens} H={heads} (wide grids): ok (max abs err {err:.2e})",
               flush=True)
 
 
