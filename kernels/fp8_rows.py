@@ -87,22 +87,40 @@ def _load_rows(kv_ptr, rope_ptr, scale_ptr, rows, row_ok, col0,
 
 @triton.jit
 def _stage_fp8_rows_kernel(kv_ptr, rope_ptr, scale_ptr, stride_row, stride_rope_row, stride_scale_row, num_rows,
-                           idx_ptr, stride_ib, stride_it, stride_ik, T, num_idx, out_ptr, out_idx_ptr, base,
+                           idx_ptr, stride_ib, stride_it, stride_ik, num_idx, out_idx_ptr, base,
+                           ekv_ptr, erope_ptr, escale_ptr, e_stride_row, e_stride_rope_row, e_stride_scale_row,
+                           e_num_rows, eidx_ptr, e_stride_ib, e_stride_it, e_stride_ik, e_num_idx, e_out_idx_ptr,
+                           e_base, T, out_ptr,
                            HEAD_DIM: tl.constexpr, NOPE: tl.constexpr, VAL_DTYPE: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One program: BLOCK_N positions of one token's list -> their staged rows and staged indices."""
+    """One program: BLOCK_N positions of one token's list -> their staged rows and staged indices.
+
+    Program blocks [0, cdiv(num_idx, BLOCK_N)) stage the first list (the main pool's), the rest the
+    second (the extra pool's, e_*), so that both pools take one launch.
+    """
     bt = tl.program_id(0).to(tl.int64)
-    pos = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    in_list = pos < num_idx
-    rows = tl.load(idx_ptr + (bt // T) * stride_ib + (bt % T) * stride_it + pos * stride_ik, mask=in_list, other=-1)
-    ok = (rows >= 0) & (rows < num_rows)  # -1 and out of range: skipped, never read
-    vals = _load_rows(kv_ptr, rope_ptr, scale_ptr, rows.to(tl.int64), ok, 0, stride_row, 1, stride_rope_row,
-                      stride_scale_row, HEAD_DIM, NOPE, True, VAL_DTYPE, BLOCK_N, BLOCK_D)
-    dst = base + bt * num_idx + pos
+    blk = tl.program_id(1)
+    main_blocks = tl.cdiv(num_idx, BLOCK_N)
+    in_extra = blk >= main_blocks
+    k = tl.where(in_extra, e_num_idx, num_idx)
+    pos = tl.where(in_extra, blk - main_blocks, blk) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_list = pos < k
+    lst = tl.where(in_extra, eidx_ptr, idx_ptr) + (bt // T) * tl.where(in_extra, e_stride_ib, stride_ib) \
+        + (bt % T) * tl.where(in_extra, e_stride_it, stride_it)
+    rows = tl.load(lst + pos * tl.where(in_extra, e_stride_ik, stride_ik), mask=in_list, other=-1)
+    ok = (rows >= 0) & (rows < tl.where(in_extra, e_num_rows, num_rows))  # -1 and out of range: never read
+    vals = _load_rows(tl.where(in_extra, ekv_ptr, kv_ptr), tl.where(in_extra, erope_ptr, rope_ptr),
+                      tl.where(in_extra, escale_ptr, scale_ptr), rows.to(tl.int64), ok, 0,
+                      tl.where(in_extra, e_stride_row, stride_row), 1,
+                      tl.where(in_extra, e_stride_rope_row, stride_rope_row),
+                      tl.where(in_extra, e_stride_scale_row, stride_scale_row),
+                      HEAD_DIM, NOPE, True, VAL_DTYPE, BLOCK_N, BLOCK_D)
+    dst = tl.where(in_extra, e_base, base) + bt * k + pos
     d = tl.arange(0, BLOCK_D)
     tl.store(out_ptr + dst[:, None] * HEAD_DIM + d[None, :], vals.to(out_ptr.dtype.element_ty),
              mask=ok[:, None] & (d < HEAD_DIM)[None, :])
-    tl.store(out_idx_ptr + bt * num_idx + pos, tl.where(ok, dst, -1).to(tl.int32), mask=in_list)
+    tl.store(tl.where(in_extra, e_out_idx_ptr, out_idx_ptr) + bt * k + pos, tl.where(ok, dst, -1).to(tl.int32),
+             mask=in_list)
 
 
 # Positions a staging program, on STAGE_WARPS warps. H200, each against the FP8 tile in one run
@@ -112,20 +130,26 @@ STAGE_ROWS = 4
 STAGE_WARPS = 4
 
 
-def stage_fp8_rows_launch(pool: tuple, idx: torch.Tensor, head_dim: int, nope: int, out: torch.Tensor,
-                          out_idx: torch.Tensor, base: int) -> tuple:
-    """(kernel, grid, args, meta) of the staging of one pool.
+def stage_fp8_rows_launch(jobs: list[tuple], head_dim: int, nope: int, out: torch.Tensor) -> tuple:
+    """(kernel, grid, args, meta) of one launch staging one or two lists.
 
-    pool: (e4m3 view, rope view, exponents, row stride, 1, rope row stride, exponent row stride, N)
-    of the FP8 rows (sparse_mla's `_pool_args`); idx [B, T, K] int32 (any strides); out [rows,
-    head_dim] contiguous bf16 or f32 with rows >= base + B*T*K; out_idx [B, T, K] contiguous int32.
+    jobs: 1 or 2 of (pool, idx, out_idx, base): pool = (e4m3 view, rope view, exponents, row stride,
+    1, rope row stride, exponent row stride, N) of FP8 rows (sparse_mla's `_pool_args`), idx
+    [B, T, K] int32 (any strides; the same B, T in both), out_idx [B, T, K] contiguous int32, base:
+    its first row in out [rows, head_dim] (contiguous bf16 or f32, rows >= base + B*T*K).
     """
-    batch, tokens, k = idx.shape
-    e4m3, rope, scales, stride_row, _, stride_rope_row, stride_scale_row, num_rows = pool
+    batch, tokens = jobs[0][1].shape[:2]
+    first, second = jobs[0], jobs[-1] if len(jobs) > 1 else (jobs[0][0], jobs[0][1][:, :, :0], jobs[0][2], 0)
+
+    def job_args(job):
+        pool, idx, out_idx, base = job
+        e4m3, rope, scales, stride_row, _, stride_rope_row, stride_scale_row, num_rows = pool
+        return (e4m3, rope, scales, stride_row, stride_rope_row, stride_scale_row, num_rows,
+                idx, *idx.stride(), idx.shape[2], out_idx, base)
+
+    blocks = sum(triton.cdiv(job[1].shape[2], STAGE_ROWS) for job in (first, second))
     # bf16 holds the values exactly; the interpreter computes in f32 (it has no bf16 arithmetic)
     val_dtype = tl.bfloat16 if out.dtype == torch.bfloat16 and out.is_cuda else tl.float32
-    return (_stage_fp8_rows_kernel, (batch * tokens, triton.cdiv(k, STAGE_ROWS)),
-            (e4m3, rope, scales, stride_row, stride_rope_row, stride_scale_row, num_rows,
-             idx, *idx.stride(), tokens, k, out, out_idx, base),
+    return (_stage_fp8_rows_kernel, (batch * tokens, blocks), (*job_args(first), *job_args(second), tokens, out),
             dict(HEAD_DIM=head_dim, NOPE=nope, VAL_DTYPE=val_dtype, BLOCK_N=STAGE_ROWS,
                  BLOCK_D=triton.next_power_of_2(head_dim), num_warps=STAGE_WARPS))

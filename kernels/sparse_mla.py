@@ -687,25 +687,27 @@ PAIRED_WARPS = 4
 FP8_TILE_SHARED = {16: 81_920, 32: 98_304}
 BLOCK_RESERVED_SHARED = 1_024
 # FP8 rows are staged (dequantised into rows of q's dtype by one gather launch, then attended by the
-# bf16 tile) when a token has more than STAGE_MIN_HEADS heads and the grid at least STAGE_MIN_TOKENS
-# tokens; requests are staged in chunks of at most STAGE_MAX_BYTES of staged rows (a transient
-# workspace sized by the index lists' capacity, not their valid entries).
-STAGE_MIN_HEADS = 32
-STAGE_MIN_TOKENS = 4
+# bf16 tile) when a token has more than STAGE_MIN_HEADS heads and index lists of at most
+# STAGE_MAX_POSITIONS positions (both pools); requests are staged in chunks of at most
+# STAGE_MAX_BYTES of staged rows (a transient workspace sized by the lists' capacity, not their valid
+# entries).
+STAGE_MIN_HEADS = 16
+STAGE_MAX_POSITIONS = 4096
 STAGE_MAX_BYTES = 256 << 20
 
 
-def stages_fp8_rows(batch: int, tokens: int, heads: int) -> bool:
+def stages_fp8_rows(heads: int, num_idx_total: int) -> bool:
     """Whether FP8 rows are staged before attention (see STAGE_MIN_HEADS).
 
-    H200, paired against the FP8 tile ("Twenty-sixth session", us; staging programs of 4 positions):
-    H=64 CSA B=64 T=1 64.3 against 89.3, T=4 209.6 against 283.9, HCA at 128K T=1 104.8 against
-    145.9, T=4 (two chunks) 353.4 against 486.1, 8 to 32 tokens -3.6 to -12.0, 4 to 6 tokens -0.4
-    to -1.0 (HCA B=1 T=4 -3.7), H=48 B=64 -24.0; FlashMLA's config (B=128, h=128, s_q=2, top-k
-    2048; two chunks) 1,024 against 1,727. Not staged: 1 to 3 tokens (-0.25 to +0.18, HCA B=2 -1.0),
-    H=32 (B=4 and 8 +0.5 / +0.15, B=16 and 64 -2.3 / -1.3), H=24 (+0.03), H=16 (+10.0).
+    H200, paired against the FP8 tile ("Twenty-sixth session", us; one staging launch of 4-position
+    programs for both pools): H=64 CSA B=64 T=1 62.2 against 88.9, T=4 207.7 against 283.0, HCA at
+    128K T=1 102.9 against 145.6, T=4 (two chunks) 348.7 against 485.4, B=1 to 16 -1.5 to -9.6;
+    FlashMLA's config (B=128, h=128, s_q=2, top-k 2048; two chunks) 1,024 against 1,726; H=20 to
+    48 -1.2 to -3.6; but H=16 B=64 +8.6 (B=1 -2.0). Staging walks the lists' whole capacity: HCA
+    lists over max context 1M (8,320 positions, 1,152 selected) lost at B=64 (+121, 3 chunks; +87 in
+    one) and won at B=1 and 16 (-5.1, -90.3); such lists are not staged.
     """
-    return heads > STAGE_MIN_HEADS and batch * tokens >= STAGE_MIN_TOKENS
+    return heads > STAGE_MIN_HEADS and num_idx_total <= STAGE_MAX_POSITIONS
 
 
 def pick_config(batch: int, tokens: int, heads: int, head_dim: int, num_idx_total: int,
@@ -747,7 +749,7 @@ def pick_config(batch: int, tokens: int, heads: int, head_dim: int, num_idx_tota
     -1.1 to -1.2; bf16 rows CSA B=32 T=1 26.0 against 35.3, HCA 41.1 against 52.8, CSA and HCA
     B=16 and CSA B=8 T=2 -4.3 to -4.5; where they agree, equal.
     """
-    if fp8_rows and allow_staging and stages_fp8_rows(batch, tokens, heads):
+    if fp8_rows and allow_staging and stages_fp8_rows(heads, num_idx_total):
         chunk = stage_chunk(batch, tokens, num_idx_total, head_dim)
         return replace(pick_config(chunk, tokens, heads, head_dim, num_idx_total, device, num_splits),
                        stage_fp8=True)
@@ -888,7 +890,7 @@ def stage_chunk(batch: int, tokens: int, num_idx_total: int, head_dim: int, valu
 def _staged_plan(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx, sink, scale, out, cfg: LaunchConfig,
                  partials, layout: _Layout) -> list[KernelLaunch]:
     """`plan_sparse_mla` of FP8 rows staged into rows of q's dtype, `stage_chunk` requests at a time:
-    per chunk, the staging of both pools into one buffer (main list's rows first, the buffer
+    per chunk, one launch staging both pools into one buffer (main list's rows first, the buffer
     shared by the chunks) and the tile `cfg` over the staged rows."""
     batch, tokens = idx.shape[:2]
     lists = [(kv, kv_scale, idx)] + ([(extra_kv, extra_kv_scale, extra_idx)] if layout.has_extra else [])
@@ -898,14 +900,15 @@ def _staged_plan(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx, sink
     launches = []
     for b0 in range(0, batch, chunk):
         rows_of = slice(b0, min(batch, b0 + chunk))
-        staged_idx, base = [], 0
+        staged_idx, jobs, base = [], [], 0
         for rows, scales, lst in lists:
             out_idx = torch.empty(lst[rows_of].shape, dtype=torch.int32, device=q.device)
-            if out_idx.numel():  # an empty list has nothing to stage (and no grid)
-                launches.append(KernelLaunch(*stage_fp8_rows_launch(
-                    _pool_args(rows, scales, layout), lst[rows_of], layout.head_dim, layout.nope, buf, out_idx, base)))
+            if out_idx.numel():  # an empty list has nothing to stage
+                jobs.append((_pool_args(rows, scales, layout), lst[rows_of], out_idx, base))
             staged_idx.append(out_idx)
             base += out_idx.numel()
+        if jobs:
+            launches.append(KernelLaunch(*stage_fp8_rows_launch(jobs, layout.head_dim, layout.nope, buf)))
         extra = (buf, None, staged_idx[1]) if layout.has_extra else (None, None, None)
         launches += plan_sparse_mla(
             q[rows_of], buf, None, staged_idx[0], *extra, sink, scale, None if out is None else out[rows_of],

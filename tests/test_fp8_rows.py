@@ -11,13 +11,14 @@ from dsv4_compile.kernels.sparse_mla import _Layout, _pool_args
 from test_sparse_mla import make_rows
 
 
-def staged(rows, scales, idx, head_dim, nope, buf, base):
-    out_idx = torch.full(idx.shape, 12345, dtype=torch.int32)
-    kernel, grid, args, meta = stage_fp8_rows_launch(
-        _pool_args(rows, scales, _Layout(head_dim=head_dim, nope=nope, fp8=True, has_extra=False)), idx,
-        head_dim, nope, buf, out_idx, base)
+def staged(lists, head_dim, nope, buf):
+    """Stages lists [(rows, scales, idx, base)] in one launch; returns their poisoned-then-written out_idx."""
+    layout = _Layout(head_dim=head_dim, nope=nope, fp8=True, has_extra=False)
+    jobs = [(_pool_args(rows, scales, layout), idx, torch.full(idx.shape, 12345, dtype=torch.int32), base)
+            for rows, scales, idx, base in lists]
+    kernel, grid, args, meta = stage_fp8_rows_launch(jobs, head_dim, nope, buf)
     kernel[grid](*args, **meta)
-    return out_idx
+    return [job[2] for job in jobs]
 
 
 @pytest.mark.parametrize("nope, rope", [(64, 16), (64, 32), (128, 64)])
@@ -38,7 +39,7 @@ def test_staging_matches_reference(nope, rope, dtype, strided):
         idx = torch.stack([idx, idx.flip(2)], dim=3).flatten(2)[:, :, ::2]  # the same list, stride 2
         assert not idx.is_contiguous()
     buf = torch.full((base + idx.numel() + 3, head_dim), float("nan"), dtype=dtype)
-    out_idx = staged(rows, scales, idx, head_dim, nope, buf, base)
+    (out_idx,) = staged([(rows, scales, idx, base)], head_dim, nope, buf)
     want_rows, want_idx = stage_fp8_rows_reference(rows, scales, idx, head_dim, base)
     assert torch.equal(out_idx, want_idx)
     ok = want_idx.flatten() >= 0
@@ -48,6 +49,30 @@ def test_staging_matches_reference(nope, rope, dtype, strided):
     unwritten[written] = False
     assert torch.isnan(buf[unwritten].float()).all()
     assert int(unwritten[:base].sum()) == base and int(unwritten[base + idx.numel():].sum()) == 3
+
+
+@pytest.mark.parametrize("widths", [(9, 2 * STAGE_ROWS + 3), (STAGE_ROWS, 1), (13, 0)])
+def test_two_lists_stage_in_one_launch(widths):
+    """Two pools of different sizes, strides and list widths in one launch: each list's rows land at
+    its own base and its staged indices point there; an empty second list stages nothing."""
+    gen = torch.Generator().manual_seed(sum(widths))
+    nope, rope = 128, 64
+    head_dim = nope + rope
+    pools = [make_rows(n, head_dim, "fp8", gen, rope) for n in (30, 70)]
+    lists = []
+    base = 0
+    for (rows, scales), width in zip(pools, widths):
+        idx = torch.randint(-1, rows.shape[0] + 2, (2, 3, width), generator=gen, dtype=torch.int32)
+        lists.append((rows, scales, idx, base))
+        base += idx.numel()
+    buf = torch.full((base + 1, head_dim), float("nan"), dtype=torch.bfloat16)
+    got = staged(lists, head_dim, nope, buf)
+    for (rows, scales, idx, start), out_idx in zip(lists, got):
+        want_rows, want_idx = stage_fp8_rows_reference(rows, scales, idx, head_dim, start)
+        assert torch.equal(out_idx, want_idx)
+        ok = want_idx.flatten() >= 0
+        assert torch.equal(buf[start + torch.nonzero(ok).flatten()].float(), want_rows[ok])
+    assert torch.isnan(buf[-1].float()).all()
 
 
 def test_reference_dequantises_each_selected_row():

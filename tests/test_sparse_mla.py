@@ -358,7 +358,7 @@ def test_staged_fp8_rows_match_reference(monkeypatch, layer, extra_len, num_spli
     out = torch.full(q.shape, float("nan"), dtype=q.dtype)
     launches = plan_sparse_mla(*args, out=out, config=config)
     stagings = sum(launch.kernel.fn.__name__ == "_stage_fp8_rows_kernel" for launch in launches)
-    assert stagings == (2 if chunk_bytes else 1) * (2 if extra_len else 1)
+    assert stagings == (2 if chunk_bytes else 1)  # one launch a chunk stages both pools
     for launch in launches:
         launch.kernel[launch.grid](*launch.args, **launch.meta)
     torch.testing.assert_close(out, sparse_mla_reference(*args), **TOL[q.dtype])
@@ -382,20 +382,23 @@ def test_staged_fp8_rows_partials_match_reference(monkeypatch):
     torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("batch, tokens, heads, staged", [
-    (64, 1, 64, True), (2, 4, 64, True), (1, 4, 64, True), (4, 1, 64, True), (2, 2, 48, True),
-    (3, 1, 64, False), (1, 2, 64, False), (64, 1, 32, False), (64, 4, 16, False)])
-def test_fp8_rows_staged_where_the_rule_says(monkeypatch, batch, tokens, heads, staged):
-    """More than 32 heads and at least 4 tokens: staged, with the bf16 tile of one chunk's requests;
-    else the FP8 tile; allow_staging=False always gives the FP8 tile."""
+@pytest.mark.parametrize("batch, tokens, heads, width, staged", [
+    (64, 1, 64, 640, True), (64, 4, 64, 640, True), (1, 1, 64, 640, True), (3, 1, 20, 640, True),
+    (64, 1, 32, 1152, True), (128, 2, 128, 2048, True), (2, 1, 64, 4096, True),
+    (64, 4, 16, 640, False), (1, 1, 16, 640, False), (1, 1, 64, 4097, False), (64, 1, 64, 8320, False)])
+def test_fp8_rows_staged_where_the_rule_says(monkeypatch, batch, tokens, heads, width, staged):
+    """More than 16 heads and index lists of at most STAGE_MAX_POSITIONS positions a token: staged,
+    with the bf16 tile of one chunk's requests; else the FP8 tile; allow_staging=False always gives
+    the FP8 tile."""
     monkeypatch.setattr(sparse_mla_module, "_sm_count", lambda device: 132)
     cpu = torch.device("cpu")
-    cfg = pick_config(batch, tokens, heads, 512, 640, cpu, fp8_rows=True)
+    cfg = pick_config(batch, tokens, heads, 512, width, cpu, fp8_rows=True)
     assert cfg.stage_fp8 == staged
-    direct = pick_config(batch, tokens, heads, 512, 640, cpu, fp8_rows=True, allow_staging=False)
+    direct = pick_config(batch, tokens, heads, 512, width, cpu, fp8_rows=True, allow_staging=False)
     assert not direct.stage_fp8
     if staged:
-        assert cfg == replace(pick_config(batch, tokens, heads, 512, 640, cpu), stage_fp8=True)
+        chunk = sparse_mla_module.stage_chunk(batch, tokens, width, 512)
+        assert cfg == replace(pick_config(chunk, tokens, heads, 512, width, cpu), stage_fp8=True)
     else:
         assert cfg == direct
 
@@ -428,13 +431,12 @@ def test_kv_halves_needs_all_value_columns():
     (False, 64, 1, 64, (16, 512, 64, 4, 2, True, True), 1),
     # bf16 rows, four waves at 16 heads: 32 heads, 32-row tiles
     (False, 64, 4, 64, (32, 512, 32, 4, 2, True, True), 1),
-    # FP8 rows, 4 or more tokens at more than 32 heads: staged, then bf16 rows' tiles
-    (True, 64, 1, 64, (16, 512, 64, 4, 2, True, True), 1),
-    (True, 64, 4, 64, (32, 512, 32, 4, 2, True, True), 1),
-    (True, 4, 1, 64, (16, 512, 64, 4, 2, True, True), 10),
-    # FP8 rows at 32 heads, 16 or more programs at 16 heads (a tenth of the SMs or more): 32 heads a
-    # program, 1 stage, two halves, 98,304 B; split within two programs an SM
-    (True, 8, 1, 32, (32, 512, 32, 8, 1, False, True), 10),
+    # FP8 rows (not staged), 16 or more programs at 16 heads (a tenth of the SMs or more): 32 heads a
+    # program, 1 stage, two halves, 98,304 B; 128 programs at T=1 split the positions in 2 (256
+    # programs: within two an SM), 64 in 4
+    (True, 64, 1, 64, (32, 512, 32, 8, 1, False, True), 2),
+    (True, 64, 4, 64, (32, 512, 32, 8, 1, False, True), 1),
+    (True, 4, 1, 64, (32, 512, 32, 8, 1, False, True), 10),
     (True, 64, 1, 32, (32, 512, 32, 8, 1, False, True), 4),
     # FP8 rows, 16 heads a program: four or eight programs (B=1, 2), or no more than 16 heads
     (True, 1, 1, 64, (16, 512, 32, 8, 1, False, True), 10),
@@ -443,14 +445,14 @@ def test_kv_halves_needs_all_value_columns():
 ])
 def test_pick_config_at_real_size(monkeypatch, fp8_rows, batch, tokens, heads, want, splits):
     """Dh=512, window 128 + top-k 512 on 132 SMs of sm_120's shared memory (one FP8 32-head
-    tile an SM): the documented choice."""
+    tile an SM): the documented choice (FP8 rows' own tiles, as where they are not staged)."""
     monkeypatch.setattr(sparse_mla_module, "_sm_count", lambda device: 132)
     monkeypatch.setattr(sparse_mla_module, "_shared_per_sm", lambda device: 102_400)
-    cfg = pick_config(batch, tokens, heads, 512, 640, torch.device("cpu"), fp8_rows=fp8_rows)
+    cfg = pick_config(batch, tokens, heads, 512, 640, torch.device("cpu"), fp8_rows=fp8_rows, allow_staging=False)
     assert (cfg.h_block, cfg.block_dv, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.idx_asm,
             cfg.kv_halves) == want
     assert cfg.num_splits == splits
-    assert cfg.stage_fp8 == (fp8_rows and want[-2])  # staged FP8 rows take bf16 tiles (idx_asm)
+    assert not cfg.stage_fp8
 
 
 @pytest.mark.parametrize("shared_per_sm, fits", [
