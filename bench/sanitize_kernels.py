@@ -102,19 +102,23 @@ def sparse_mla_cases() -> None:
         print(f"sparse_mla hca bf16 B=1 T={tokens} over 8,192 positions: ok (max abs err {err:.2e})", flush=True)
     # Grids wider than one wave at 16 heads a program (B=64): the "bf16_wide" tiles (T=4); FP8 rows
     # staged into bf16 rows (CSA T=1 and 4, with split-K at T=1; HCA T=4 in two chunks of
-    # STAGE_MAX_BYTES); FP8 rows' "fp8_wide" tile at 32 heads and the "fp8" tile at 16 (not staged,
-    # split in 4), each on 4 warps where two share an SM; with holes.
-    for fmt, tokens, heads, layer, extra_len in (("bf16", 4, 64, "csa", 512), ("fp8", 1, 64, "csa", 512),
-                                                 ("fp8", 4, 64, "csa", 512), ("fp8", 4, 64, "hca", 1024),
-                                                 ("fp8", 1, 32, "csa", 512), ("fp8", 1, 16, "csa", 512)):
-        case = bench_sparse_mla.Case("sanitize", 64, tokens, heads, layer, fmt, extra_len)
+    # STAGE_MAX_BYTES; H=32); FP8 rows' own tiles where they are not staged: the "fp8_wide" tile over
+    # an HCA list of max context 1M (8,192 c128 positions, beyond STAGE_MAX_POSITIONS), the "fp8" tile
+    # at 16 heads (split in 4), each on 4 warps where two share an SM, and at B=1 on 8 warps; with holes.
+    for fmt, batch, tokens, heads, layer, pad in (("bf16", 64, 4, 64, "csa", 0), ("fp8", 64, 1, 64, "csa", 0),
+                                                  ("fp8", 64, 4, 64, "csa", 0), ("fp8", 64, 4, 64, "hca", 0),
+                                                  ("fp8", 64, 1, 32, "csa", 0), ("fp8", 64, 1, 64, "hca", 7168),
+                                                  ("fp8", 64, 1, 16, "csa", 0), ("fp8", 1, 1, 16, "csa", 0)):
+        case = bench_sparse_mla.Case("sanitize", batch, tokens, heads, layer, fmt, 512 if layer == "csa" else 1024)
         args = list(bench_sparse_mla.make_inputs(case, DEVICE))
         args[3], args[6] = args[3].clone(), args[6].clone()
         args[3][::3, :, ::7] = -1
         args[6][::2, :, ::5] = -1
+        if pad:
+            args[6] = torch.cat([args[6], torch.full((batch, tokens, pad), -1, dtype=torch.int32, device=DEVICE)], dim=2)
         _, err = _sparse_mla_checked(args)
-        print(f"sparse_mla {layer} {fmt} B=64 T={tokens} H={heads} (wide grids): ok (max abs err {err:.2e})",
-              flush=True)
+        print(f"sparse_mla {layer} {fmt} B={batch} T={tokens} H={heads} list {args[6].shape[2]}: ok "
+              f"(max abs err {err:.2e})", flush=True)
 
 
 # Forced configs besides the op's default launch: the GEMV loop that loads one K step ahead (its last
