@@ -8,6 +8,7 @@ Variants are whole copies of kernels/sparse_mla.py (tmp_gpu/, loaded beside the 
   wt    the working tree's package (call 3: FP8 rows staged into bf16 rows where `stages_fp8_rows` says)
   wt-staged  the working tree with staging forced (the bf16 tile's pick_config), for cases over the rule
   wt-rRwW    the working tree with staging programs of R positions on W warps (call 4)
+  two   d73b4f0's kernels (tmp_gpu/sparse_mla_two.py, fp8_rows_two.py): one staging launch a pool (call 10)
 Each variant's default launch (its own pick_config) is checked against the reference, then timed:
 CUDA graphs of 10 launches (outputs and workspaces kept alive), variants alternating over ROUNDS
 rounds, do_bench medians, paired differences against HEAD."""
@@ -36,6 +37,16 @@ def load_variant(name):
     src = Path(f"tmp_gpu/sparse_mla_{name}.py").read_text()
     src = src[:src.index("# ----------------------------------------------------------------------------- registration")]
     src = src.replace("from ._runtime import triton_runs_on", "from dsv4_compile.kernels._runtime import triton_runs_on")
+    rows_src = Path(f"tmp_gpu/fp8_rows_{name}.py")
+    if rows_src.exists():  # the variant's own FP8 row module, loaded beside it
+        Path(f"/tmp/fp8_rows26_{name}.py").write_text(rows_src.read_text())
+        rspec = importlib.util.spec_from_file_location(f"fp8_rows26_{name}", f"/tmp/fp8_rows26_{name}.py")
+        rmod = importlib.util.module_from_spec(rspec)
+        sys.modules[rspec.name] = rmod
+        rspec.loader.exec_module(rmod)
+        src = src.replace("from .fp8_rows import", f"from fp8_rows26_{name} import")
+    else:
+        src = src.replace("from .fp8_rows import", "from dsv4_compile.kernels.fp8_rows import")
     path = Path(f"/tmp/smla26_{name}.py")
     path.write_text(src)
     spec = importlib.util.spec_from_file_location(f"smla26_{name}", path)
@@ -78,7 +89,19 @@ BOUNDARY = [("csa", "fp8", 64, 1, 32), ("csa", "fp8", 64, 4, 32), ("hca", "fp8",
 SMALL = [("csa", "fp8", 1, 1, 64), ("csa", "fp8", 2, 1, 64), ("csa", "fp8", 1, 2, 64), ("csa", "fp8", 3, 1, 64),
          ("hca", "fp8", 1, 1, 64), ("csa", "fp8", 1, 1, 32), ("csa", "fp8", 4, 1, 32), ("csa", "fp8", 64, 1, 24),
          ("hca", "fp8", 2, 1, 64), ("csa", "fp8", 8, 1, 32)]
-if len(sys.argv) > 3 and sys.argv[3] == "boundary":  # call 7: the staging rule's edges, 4-position programs
+MERGED = [("csa", "fp8", 64, 1, 64), ("hca", "fp8", 64, 1, 64), ("csa", "fp8", 64, 4, 64), ("hca", "fp8", 64, 4, 64),
+          ("csa", "fp8", 16, 1, 64), ("csa", "fp8", 8, 1, 64), ("csa", "fp8", 4, 1, 64), ("csa", "fp8", 1, 4, 64),
+          ("csa", "fp8", 2, 2, 64), ("csa", "fp8", 1, 1, 64), ("csa", "fp8", 2, 1, 64), ("csa", "fp8", 3, 1, 64),
+          ("hca", "fp8", 1, 1, 64), ("csa", "fp8", 8, 1, 32), ("csa", "fp8", 64, 1, 32), ("topk", "fp8", 128, 2, 128)]
+EDGES = [("csa", "fp8", 1, 1, 24), ("csa", "fp8", 64, 1, 24), ("csa", "fp8", 4, 1, 32), ("csa", "fp8", 1, 1, 32),
+         ("csa", "fp8", 1, 1, 20), ("csa", "fp8", 64, 1, 16), ("csa", "fp8", 1, 1, 16),
+         ("hcalong", "fp8", 1, 1, 64), ("hcalong", "fp8", 1, 4, 64), ("hcalong", "fp8", 16, 1, 64),
+         ("hcalong", "fp8", 64, 1, 64), ("csa", "fp8", 2, 1, 48)]
+if len(sys.argv) > 3 and sys.argv[3] == "edges":  # call 11: heads 16 to 32, HCA lists over max context 1M
+    CASES = EDGES
+elif len(sys.argv) > 3 and sys.argv[3] == "merged":  # call 10: one staging launch for both pools
+    CASES = MERGED
+elif len(sys.argv) > 3 and sys.argv[3] == "boundary":  # call 7: the staging rule's edges, 4-position programs
     CASES = BOUNDARY
 elif len(sys.argv) > 3 and sys.argv[3] == "small":  # call 8: one to three tokens, 24 and 32 heads
     CASES = SMALL
@@ -92,8 +115,12 @@ def main():
     keep = []
     t0 = time.time()
     for layer, fmt, bb, tt, hh in CASES:
-        extra = {"csa": 512, "hca": 1024, "topk": 2048}[layer]
-        args = b.make_inputs(b.Case("x", bb, tt, hh, layer, fmt, extra, window=0 if layer == "topk" else 128), dev)
+        extra = {"csa": 512, "hca": 1024, "topk": 2048, "hcalong": 1024}[layer]
+        args = b.make_inputs(b.Case("x", bb, tt, hh, layer.replace("long", ""), fmt, extra,
+                                    window=0 if layer == "topk" else 128), dev)
+        if layer == "hcalong":  # an HCA list over max context 1M (8,192 c128 positions), 1,024 of them valid
+            args = list(args)
+            args[6] = torch.cat([args[6], torch.full((bb, tt, 7168), -1, dtype=torch.int32, device=dev)], dim=2)
         ref = sm.sparse_mla_reference(*args).float()
         graphs, info = {}, {}
         for name, mod in MODS.items():
