@@ -18,10 +18,11 @@ gathers in flight while a tile is attended. kv_halves splits the head dims in tw
 independent QK MMA chains, and the halves share each row's address arithmetic. For small
 grids the index positions are split across programs (split-K): each split writes its normalised
 partial output and log-sum-exp (`dsv4::sparse_mla_partials`, whose reference is the spec of the
-split), and a combine kernel merges them and adds the sink. FP8 rows of grids with many heads and
-tokens are first staged (`fp8_rows`: the selected rows dequantised, exactly, into rows of q's
-dtype by a gather launch) and the bf16 tile attends the staged rows: faster on the H200 than the
-FP8 tile, whose dequantisation in the tile loop costs registers and occupancy (`stages_fp8_rows`).
+split), and a combine kernel merges them and adds the sink. FP8 rows of more than 16 heads over
+lists of bounded capacity are first staged (`fp8_rows`: the selected rows dequantised, exactly,
+into rows of q's dtype by one gather launch) and the bf16 tile attends the staged rows: faster on
+the H200 than the FP8 tile, whose dequantisation in the tile loop costs registers and occupancy
+(`stages_fp8_rows`).
 
 Out-of-range indices (idx < 0 or idx >= number of rows of the pool) are treated as skip by both
 the kernel and the reference: they are never read, and no host sync is needed to validate them.
