@@ -18,8 +18,8 @@ gathers in flight while a tile is attended. kv_halves splits the head dims in tw
 independent QK MMA chains, and the halves share each row's address arithmetic. For small
 grids the index positions are split across programs (split-K): each split writes its normalised
 partial output and log-sum-exp (`dsv4::sparse_mla_partials`, whose reference is the spec of the
-split), and a combine kernel merges them and adds the sink. FP8 rows of more than 16 heads over
-lists of bounded capacity are first staged (`fp8_rows`: the selected rows dequantised, exactly,
+split), and a combine kernel merges them and adds the sink. FP8 rows of more than 16 heads (over
+lists of bounded capacity, or in small grids) are first staged (`fp8_rows`: the selected rows dequantised, exactly,
 into rows of q's dtype by one gather launch) and the bf16 tile attends the staged rows: faster on
 the H200 than the FP8 tile, whose dequantisation in the tile loop costs registers and occupancy
 (`stages_fp8_rows`).
@@ -688,27 +688,30 @@ PAIRED_WARPS = 4
 FP8_TILE_SHARED = {16: 81_920, 32: 98_304}
 BLOCK_RESERVED_SHARED = 1_024
 # FP8 rows are staged (dequantised into rows of q's dtype by one gather launch, then attended by the
-# bf16 tile) when a token has more than STAGE_MIN_HEADS heads and index lists of at most
-# STAGE_MAX_POSITIONS positions (both pools); requests are staged in chunks of at most
-# STAGE_MAX_BYTES of staged rows (a transient workspace sized by the lists' capacity, not their valid
-# entries).
+# bf16 tile) when a token has more than STAGE_MIN_HEADS heads, and its index lists (both pools) hold
+# at most STAGE_MAX_POSITIONS positions or the grid at most STAGE_LONG_MAX_TOKENS tokens; requests
+# are staged in chunks of at most STAGE_MAX_BYTES of staged rows (a transient workspace sized by the
+# lists' capacity, not their valid entries).
 STAGE_MIN_HEADS = 16
 STAGE_MAX_POSITIONS = 4096
+STAGE_LONG_MAX_TOKENS = 32
 STAGE_MAX_BYTES = 256 << 20
 
 
-def stages_fp8_rows(heads: int, num_idx_total: int) -> bool:
+def stages_fp8_rows(batch: int, tokens: int, heads: int, num_idx_total: int) -> bool:
     """Whether FP8 rows are staged before attention (see STAGE_MIN_HEADS).
 
     H200, paired against the FP8 tile ("Twenty-sixth session", us; one staging launch of 4-position
     programs for both pools): H=64 CSA B=64 T=1 62.2 against 88.9, T=4 207.7 against 283.0, HCA at
     128K T=1 102.9 against 145.6, T=4 (two chunks) 348.7 against 485.4, B=1 to 16 -1.5 to -9.6;
     FlashMLA's config (B=128, h=128, s_q=2, top-k 2048; two chunks) 1,024 against 1,726; H=20 to
-    48 -1.2 to -3.6; but H=16 B=64 +8.6 (B=1 -2.0). Staging walks the lists' whole capacity: HCA
-    lists over max context 1M (8,320 positions, 1,152 selected) lost at B=64 (+121, 3 chunks; +87 in
-    one) and won at B=1 and 16 (-5.1, -90.3); such lists are not staged.
+    48 -1.2 to -3.6; but H=16 B=64 +8.6 (B=1 -2.0). Staging walks the lists' whole capacity: over
+    HCA lists of max context 1M (8,320 positions, 1,152 selected) it won up to 32 tokens (B=1 to 32
+    T=1 -5.1 to -95.7, B=4 and 8 T=4 -76.2 and -8.1) and lost from 64 (B=64 T=1 +87.5, B=16 T=4
+    +114.5).
     """
-    return heads > STAGE_MIN_HEADS and num_idx_total <= STAGE_MAX_POSITIONS
+    return heads > STAGE_MIN_HEADS and (num_idx_total <= STAGE_MAX_POSITIONS
+                                        or batch * tokens <= STAGE_LONG_MAX_TOKENS)
 
 
 def pick_config(batch: int, tokens: int, heads: int, head_dim: int, num_idx_total: int,
@@ -750,7 +753,7 @@ def pick_config(batch: int, tokens: int, heads: int, head_dim: int, num_idx_tota
     -1.1 to -1.2; bf16 rows CSA B=32 T=1 26.0 against 35.3, HCA 41.1 against 52.8, CSA and HCA
     B=16 and CSA B=8 T=2 -4.3 to -4.5; where they agree, equal.
     """
-    if fp8_rows and allow_staging and stages_fp8_rows(heads, num_idx_total):
+    if fp8_rows and allow_staging and stages_fp8_rows(batch, tokens, heads, num_idx_total):
         chunk = stage_chunk(batch, tokens, num_idx_total, head_dim)
         return replace(pick_config(chunk, tokens, heads, head_dim, num_idx_total, device, num_splits),
                        stage_fp8=True)

@@ -385,11 +385,13 @@ def test_staged_fp8_rows_partials_match_reference(monkeypatch):
 @pytest.mark.parametrize("batch, tokens, heads, width, staged", [
     (64, 1, 64, 640, True), (64, 4, 64, 640, True), (1, 1, 64, 640, True), (3, 1, 20, 640, True),
     (64, 1, 32, 1152, True), (128, 2, 128, 2048, True), (2, 1, 64, 4096, True),
-    (64, 4, 16, 640, False), (1, 1, 16, 640, False), (1, 1, 64, 4097, False), (64, 1, 64, 8320, False)])
+    (1, 1, 64, 8320, True), (32, 1, 64, 8320, True), (8, 4, 64, 4097, True),
+    (64, 4, 16, 640, False), (1, 1, 16, 640, False), (33, 1, 64, 4097, False), (64, 1, 64, 8320, False),
+    (16, 4, 64, 8320, False)])
 def test_fp8_rows_staged_where_the_rule_says(monkeypatch, batch, tokens, heads, width, staged):
-    """More than 16 heads and index lists of at most STAGE_MAX_POSITIONS positions a token: staged,
-    with the bf16 tile of one chunk's requests; else the FP8 tile; allow_staging=False always gives
-    the FP8 tile."""
+    """More than 16 heads, and index lists of at most STAGE_MAX_POSITIONS positions a token or at most
+    STAGE_LONG_MAX_TOKENS tokens: staged, with the bf16 tile of one chunk's requests; else the FP8
+    tile; allow_staging=False always gives the FP8 tile."""
     monkeypatch.setattr(sparse_mla_module, "_sm_count", lambda device: 132)
     cpu = torch.device("cpu")
     cfg = pick_config(batch, tokens, heads, 512, width, cpu, fp8_rows=True)
