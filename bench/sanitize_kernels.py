@@ -102,13 +102,15 @@ def sparse_mla_cases() -> None:
         print(f"sparse_mla hca bf16 B=1 T={tokens} over 8,192 positions: ok (max abs err {err:.2e})", flush=True)
     # Grids wider than one wave at 16 heads a program (B=64): the "bf16_wide" tiles (T=4); FP8 rows
     # staged into bf16 rows (CSA T=1 and 4, with split-K at T=1; HCA T=4 in two chunks of
-    # STAGE_MAX_BYTES; H=32); FP8 rows' own tiles where they are not staged: the "fp8_wide" tile over
-    # an HCA list of max context 1M (8,192 c128 positions, beyond STAGE_MAX_POSITIONS), the "fp8" tile
-    # at 16 heads (split in 4), each on 4 warps where two share an SM, and at B=1 on 8 warps; with holes.
+    # STAGE_MAX_BYTES; H=32; B=2 over an HCA list of max context 1M, 8,192 c128 positions); FP8 rows'
+    # own tiles where they are not staged: the "fp8_wide" tile over such a list at B=64 (beyond
+    # STAGE_MAX_POSITIONS and STAGE_LONG_MAX_TOKENS), the "fp8" tile at 16 heads (split in 4), each on 4
+    # warps where two share an SM, and at B=1 on 8 warps; with holes.
     for fmt, batch, tokens, heads, layer, pad in (("bf16", 64, 4, 64, "csa", 0), ("fp8", 64, 1, 64, "csa", 0),
                                                   ("fp8", 64, 4, 64, "csa", 0), ("fp8", 64, 4, 64, "hca", 0),
-                                                  ("fp8", 64, 1, 32, "csa", 0), ("fp8", 64, 1, 64, "hca", 7168),
-                                                  ("fp8", 64, 1, 16, "csa", 0), ("fp8", 1, 1, 16, "csa", 0)):
+                                                  ("fp8", 64, 1, 32, "csa", 0), ("fp8", 2, 1, 64, "hca", 7168),
+                                                  ("fp8", 64, 1, 64, "hca", 7168), ("fp8", 64, 1, 16, "csa", 0),
+                                                  ("fp8", 1, 1, 16, "csa", 0)):
         case = bench_sparse_mla.Case("sanitize", batch, tokens, heads, layer, fmt, 512 if layer == "csa" else 1024)
         args = list(bench_sparse_mla.make_inputs(case, DEVICE))
         args[3], args[6] = args[3].clone(), args[6].clone()
