@@ -97,7 +97,12 @@ EDGES = [("csa", "fp8", 1, 1, 24), ("csa", "fp8", 64, 1, 24), ("csa", "fp8", 4, 
          ("csa", "fp8", 1, 1, 20), ("csa", "fp8", 64, 1, 16), ("csa", "fp8", 1, 1, 16),
          ("hcalong", "fp8", 1, 1, 64), ("hcalong", "fp8", 1, 4, 64), ("hcalong", "fp8", 16, 1, 64),
          ("hcalong", "fp8", 64, 1, 64), ("csa", "fp8", 2, 1, 48)]
-if len(sys.argv) > 3 and sys.argv[3] == "edges":  # call 11: heads 16 to 32, HCA lists over max context 1M
+LONG = [("hcalong", "fp8", 8, 1, 64), ("hcalong", "fp8", 16, 1, 64), ("hcalong", "fp8", 24, 1, 64),
+        ("hcalong", "fp8", 32, 1, 64), ("hcalong", "fp8", 4, 4, 64), ("hcalong", "fp8", 8, 4, 64),
+        ("hcalong", "fp8", 16, 4, 64), ("hcalong", "fp8", 2, 1, 64)]
+if len(sys.argv) > 3 and sys.argv[3] == "long":  # call 13: HCA lists over max context 1M by grid size
+    CASES = LONG
+elif len(sys.argv) > 3 and sys.argv[3] == "edges":  # call 11: heads 16 to 32, HCA lists over max context 1M
     CASES = EDGES
 elif len(sys.argv) > 3 and sys.argv[3] == "merged":  # call 10: one staging launch for both pools
     CASES = MERGED
