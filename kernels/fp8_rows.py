@@ -8,7 +8,8 @@ Staging gathers the rows that each query token's index list selects, dequantised
 q's dtype: token (b, t)'s list of K positions owns K consecutive buffer rows, in list order, and a
 new index list points at them (-1 where the original skips). e4m3 times a power of two has 4
 significant bits and the rope values are bf16, so the staged rows hold the dequantised values
-exactly and attention over them equals attention over the FP8 rows.
+exactly (for exponents e >= 10; below, values fall under bf16's normal range, as in sparse_mla's
+FP8 tile) and attention over them equals attention over the FP8 rows.
 """
 from __future__ import annotations
 
@@ -136,7 +137,8 @@ def stage_fp8_rows_launch(jobs: list[tuple], head_dim: int, nope: int, out: torc
     jobs: 1 or 2 of (pool, idx, out_idx, base): pool = (e4m3 view, rope view, exponents, row stride,
     1, rope row stride, exponent row stride, N) of FP8 rows (sparse_mla's `_pool_args`), idx
     [B, T, K] int32 (any strides; the same B, T in both), out_idx [B, T, K] contiguous int32, base:
-    its first row in out [rows, head_dim] (contiguous bf16 or f32, rows >= base + B*T*K).
+    its first row in out [rows, head_dim] (contiguous bf16 or f32, rows >= base + B*T*K). The grid's
+    second axis holds both lists' blocks of STAGE_ROWS positions (CUDA allows at most 65,535).
     """
     batch, tokens = jobs[0][1].shape[:2]
     first, second = jobs[0], jobs[-1] if len(jobs) > 1 else (jobs[0][0], jobs[0][1][:, :, :0], jobs[0][2], 0)

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from ._runtime import triton_runs_on
-from .fp8_rows import SCALE_GROUP, _load_rows, dequantize_fp8_rows, stage_fp8_rows_launch
+from .fp8_rows import SCALE_GROUP, STAGE_ROWS, _load_rows, dequantize_fp8_rows, stage_fp8_rows_launch
 
 LOG2E = 1.4426950408889634
 SPLIT_TILE = 32  # index positions per tile; split-K hands each split a run of whole tiles
@@ -691,15 +691,18 @@ BLOCK_RESERVED_SHARED = 1_024
 # bf16 tile) when a token has more than STAGE_MIN_HEADS heads, and its index lists (both pools) hold
 # at most STAGE_MAX_POSITIONS positions or the grid at most STAGE_LONG_MAX_TOKENS tokens; requests
 # are staged in chunks of at most STAGE_MAX_BYTES of staged rows (a transient workspace sized by the
-# lists' capacity, not their valid entries).
+# lists' capacity, not their valid entries). Staging also needs one request's rows to fit there and
+# a token's blocks of STAGE_ROWS positions to fit the staging grid's second axis (MAX_GRID_Y).
 STAGE_MIN_HEADS = 16
 STAGE_MAX_POSITIONS = 4096
 STAGE_LONG_MAX_TOKENS = 32
 STAGE_MAX_BYTES = 256 << 20
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis
 
 
-def stages_fp8_rows(batch: int, tokens: int, heads: int, num_idx_total: int) -> bool:
-    """Whether FP8 rows are staged before attention (see STAGE_MIN_HEADS).
+def stages_fp8_rows(batch: int, tokens: int, heads: int, head_dim: int, num_idx_total: int,
+                    value_bytes: int = 2) -> bool:
+    """Whether FP8 rows are staged before attention (see STAGE_MIN_HEADS); value_bytes: q's element size.
 
     H200, paired against the FP8 tile ("Twenty-sixth session", us; one staging launch of 4-position
     programs for both pools): H=64 CSA B=64 T=1 62.2 against 88.9, T=4 207.7 against 283.0, HCA at
@@ -710,18 +713,21 @@ def stages_fp8_rows(batch: int, tokens: int, heads: int, num_idx_total: int) -> 
     T=1 -5.1 to -95.7, B=4 and 8 T=4 -76.2 and -8.1) and lost from 64 (B=64 T=1 +87.5, B=16 T=4
     +114.5).
     """
-    return heads > STAGE_MIN_HEADS and (num_idx_total <= STAGE_MAX_POSITIONS
-                                        or batch * tokens <= STAGE_LONG_MAX_TOKENS)
+    per_request = tokens * num_idx_total * head_dim * value_bytes
+    blocks = triton.cdiv(num_idx_total, STAGE_ROWS) + 1  # two lists: at most one more partial block
+    return (heads > STAGE_MIN_HEADS and per_request <= STAGE_MAX_BYTES and blocks <= MAX_GRID_Y
+            and (num_idx_total <= STAGE_MAX_POSITIONS or batch * tokens <= STAGE_LONG_MAX_TOKENS))
 
 
 def pick_config(batch: int, tokens: int, heads: int, head_dim: int, num_idx_total: int,
                 device: torch.device, num_splits: int | None = None, fp8_rows: bool = False,
-                allow_staging: bool = True) -> LaunchConfig:
+                allow_staging: bool = True, value_bytes: int = 2) -> LaunchConfig:
     """The launch config for these shapes: DEFAULT_TILES of the row format (16 heads of one token a
     program, all value columns; "bf16_wide" for bf16 rows on grids wider than one wave, "fp8_wide"
     for FP8 rows on grids of at least a tenth of the SMs' count with more than 16 heads; FP8 tiles
     on PAIRED_WARPS where two share an SM, see FP8_TILE_SHARED). FP8 rows that `stages_fp8_rows`
-    (unless not allow_staging) take the bf16 tile of one staging chunk's requests, stage_fp8 set.
+    (unless not allow_staging) take the bf16 tile of one staging chunk's requests, stage_fp8 set;
+    value_bytes: q's element size (the staged rows').
 
     H200, B=64, H=64, Dh 512, bf16 rows, one tile loop over both pools (bench/RESULTS.md
     "Seventeenth session"): BLOCK_N 64 on 2 stages against the sixth session's 32 on 3, CSA at
@@ -753,8 +759,8 @@ def pick_config(batch: int, tokens: int, heads: int, head_dim: int, num_idx_tota
     -1.1 to -1.2; bf16 rows CSA B=32 T=1 26.0 against 35.3, HCA 41.1 against 52.8, CSA and HCA
     B=16 and CSA B=8 T=2 -4.3 to -4.5; where they agree, equal.
     """
-    if fp8_rows and allow_staging and stages_fp8_rows(batch, tokens, heads, num_idx_total):
-        chunk = stage_chunk(batch, tokens, num_idx_total, head_dim)
+    if fp8_rows and allow_staging and stages_fp8_rows(batch, tokens, heads, head_dim, num_idx_total, value_bytes):
+        chunk = stage_chunk(batch, tokens, num_idx_total, head_dim, value_bytes)
         return replace(pick_config(chunk, tokens, heads, head_dim, num_idx_total, device, num_splits),
                        stage_fp8=True)
     key = "fp8" if fp8_rows else "bf16"
@@ -824,7 +830,7 @@ def plan_sparse_mla(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx, s
     batch, tokens, heads, head_dim = q.shape
     num_extra = extra_idx.shape[2] if layout.has_extra else 0
     cfg = config or pick_config(batch, tokens, heads, head_dim, idx.shape[2] + num_extra, q.device, num_splits,
-                                layout.fp8)
+                                layout.fp8, value_bytes=q.element_size())
     if layout.fp8 and cfg.stage_fp8:
         return _staged_plan(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx, sink, scale, out,
                             replace(cfg, stage_fp8=False), partials, layout)

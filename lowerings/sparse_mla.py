@@ -62,7 +62,7 @@ def num_splits_for(q: ir.TensorBox, kv: ir.TensorBox, idx: ir.TensorBox,
         return None
     batch, tokens, heads, head_dim = q_size
     return pick_config(batch, tokens, heads, head_dim, sum(widths), q.get_device(),
-                       fp8_rows=kv.get_dtype() == torch.uint8).num_splits
+                       fp8_rows=kv.get_dtype() == torch.uint8, value_bytes=q.get_dtype().itemsize).num_splits
 
 
 def _combine(parts: ir.TensorBox, lse: ir.TensorBox, sink: ir.TensorBox | None, dtype: torch.dtype) -> ir.TensorBox:

@@ -387,11 +387,12 @@ def test_staged_fp8_rows_partials_match_reference(monkeypatch):
     (64, 1, 32, 1152, True), (128, 2, 128, 2048, True), (2, 1, 64, 4096, True),
     (1, 1, 64, 8320, True), (32, 1, 64, 8320, True), (8, 4, 64, 4097, True),
     (64, 4, 16, 640, False), (1, 1, 16, 640, False), (33, 1, 64, 4097, False), (64, 1, 64, 8320, False),
-    (16, 4, 64, 8320, False)])
+    (16, 4, 64, 8320, False), (1, 1024, 64, 640, False), (1, 1, 64, 300_000, False)])
 def test_fp8_rows_staged_where_the_rule_says(monkeypatch, batch, tokens, heads, width, staged):
     """More than 16 heads, and index lists of at most STAGE_MAX_POSITIONS positions a token or at most
-    STAGE_LONG_MAX_TOKENS tokens: staged, with the bf16 tile of one chunk's requests; else the FP8
-    tile; allow_staging=False always gives the FP8 tile."""
+    STAGE_LONG_MAX_TOKENS tokens: staged, with the bf16 tile of one chunk's requests; else (also where
+    one request's staged rows exceed STAGE_MAX_BYTES) the FP8 tile; allow_staging=False always gives
+    the FP8 tile."""
     monkeypatch.setattr(sparse_mla_module, "_sm_count", lambda device: 132)
     cpu = torch.device("cpu")
     cfg = pick_config(batch, tokens, heads, 512, width, cpu, fp8_rows=True)
@@ -403,6 +404,39 @@ def test_fp8_rows_staged_where_the_rule_says(monkeypatch, batch, tokens, heads, 
         assert cfg == replace(pick_config(chunk, tokens, heads, 512, width, cpu), stage_fp8=True)
     else:
         assert cfg == direct
+
+
+@pytest.mark.parametrize("layer, q_dtype", [("csa", torch.bfloat16), ("window", torch.float32),
+                                            ("hca", torch.float32)])
+def test_default_path_stages_fp8_rows_above_16_heads(monkeypatch, layer, q_dtype):
+    """The op's own choice at 17 heads (pick_config stages, in an uneven 2 + 1 chunking of 3 requests)
+    through dsv4::sparse_mla and dsv4::sparse_mla_partials, with a strided main list, against the
+    references: TOL by q's dtype (the staged rows are exact), partials atol = rtol = 1e-4."""
+    q, kv, kv_scale, idx, ekv, esc, eidx, sink, scale = inputs(4, 3, 2, 17, "fp8", layer, 20, 40, rope=32,
+                                                               head_dim=96)
+    q = q.to(q_dtype)
+    idx = torch.stack([idx, idx.flip(2)], dim=3).flatten(2)[:, :, ::2]  # the same list, stride 2
+    width = idx.shape[2] + (eidx.shape[2] if eidx is not None else 0)
+    monkeypatch.setattr(sparse_mla_module, "STAGE_MAX_BYTES", 2 * 2 * width * 96 * q.element_size())
+    args = (q, kv, kv_scale, idx, ekv, esc, eidx, sink, scale)
+    launches = plan_sparse_mla(*args, out=torch.empty_like(q))
+    stagings = [launch for launch in launches if launch.kernel.fn.__name__ == "_stage_fp8_rows_kernel"]
+    assert [launch.grid[0] for launch in stagings] == [4, 2]  # tokens of each chunk
+    got = torch.ops.dsv4.sparse_mla(*args)
+    torch.testing.assert_close(got, sparse_mla_reference(*args), **TOL[q_dtype])
+    parts, lse = torch.ops.dsv4.sparse_mla_partials(q, kv, kv_scale, idx, ekv, esc, eidx, scale, 3)
+    want_parts, want_lse = sparse_mla_partials_reference(q, kv, kv_scale, idx, ekv, esc, eidx, scale, 3)
+    torch.testing.assert_close(parts, want_parts, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-4)
+
+
+def test_staging_keeps_a_token_s_blocks_within_the_grid_axis(monkeypatch):
+    """A token's lists of more than (MAX_GRID_Y - 1) * STAGE_ROWS positions would overflow the staging
+    grid's second axis: not staged even with the byte cap lifted."""
+    monkeypatch.setattr(sparse_mla_module, "STAGE_MAX_BYTES", 1 << 40)
+    limit = (sparse_mla_module.MAX_GRID_Y - 1) * sparse_mla_module.STAGE_ROWS
+    assert sparse_mla_module.stages_fp8_rows(1, 1, 64, 512, limit)
+    assert not sparse_mla_module.stages_fp8_rows(1, 1, 64, 512, limit + 1)
 
 
 def test_stage_chunk_spreads_requests_within_the_cap(monkeypatch):
