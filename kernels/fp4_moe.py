@@ -45,7 +45,7 @@ import triton.language as tl
 from dsv4_compile.fp4 import dequantize_mxfp4, dequantize_nvfp4
 from dsv4_compile.fp4_tiles import TILE_COLS, TILE_ROWS, is_tiled, logical_shape, untile_fp4
 
-from ._runtime import triton_runs_on
+from ._runtime import MAX_GRID_Y, triton_runs_on
 from .moe_pairs import block_bound, combine_pairs_triton, expert_blocks
 
 logger = logging.getLogger("dsv4_compile")
@@ -1286,7 +1286,6 @@ def check_mxfp4_scale_range(**scales: torch.Tensor) -> None:
                              f"accepts scales up to 2**{MMA_MAX_UE8M0 - 127} (code {MMA_MAX_UE8M0})")
 
 
-MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis
 FINISH_BLOCK = 256  # hidden columns per `_swiglu_partials_kernel` program
 
 

@@ -141,7 +141,9 @@ def stage_fp8_rows_launch(jobs: list[tuple], head_dim: int, nope: int, out: torc
     second axis holds both lists' blocks of STAGE_ROWS positions (CUDA allows at most 65,535).
     """
     batch, tokens = jobs[0][1].shape[:2]
-    first, second = jobs[0], jobs[-1] if len(jobs) > 1 else (jobs[0][0], jobs[0][1][:, :, :0], jobs[0][2], 0)
+    first = jobs[0]
+    # one list: the second is the first's pool with no positions (no program blocks)
+    second = jobs[1] if len(jobs) > 1 else (first[0], first[1][:, :, :0], first[2], 0)
 
     def job_args(job):
         pool, idx, out_idx, base = job

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._runtime import triton_runs_on
+from ._runtime import MAX_GRID_Y, triton_runs_on
 from .fp8_rows import SCALE_GROUP, STAGE_ROWS, _load_rows, dequantize_fp8_rows, stage_fp8_rows_launch
 
 LOG2E = 1.4426950408889634
@@ -697,7 +697,6 @@ STAGE_MIN_HEADS = 16
 STAGE_MAX_POSITIONS = 4096
 STAGE_LONG_MAX_TOKENS = 32
 STAGE_MAX_BYTES = 256 << 20
-MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis
 
 
 def stages_fp8_rows(batch: int, tokens: int, heads: int, head_dim: int, num_idx_total: int,
@@ -713,9 +712,9 @@ def stages_fp8_rows(batch: int, tokens: int, heads: int, head_dim: int, num_idx_
     T=1 -5.1 to -95.7, B=4 and 8 T=4 -76.2 and -8.1) and lost from 64 (B=64 T=1 +87.5, B=16 T=4
     +114.5).
     """
-    per_request = tokens * num_idx_total * head_dim * value_bytes
     blocks = triton.cdiv(num_idx_total, STAGE_ROWS) + 1  # two lists: at most one more partial block
-    return (heads > STAGE_MIN_HEADS and per_request <= STAGE_MAX_BYTES and blocks <= MAX_GRID_Y
+    return (heads > STAGE_MIN_HEADS and blocks <= MAX_GRID_Y
+            and _staged_bytes_per_request(tokens, num_idx_total, head_dim, value_bytes) <= STAGE_MAX_BYTES
             and (num_idx_total <= STAGE_MAX_POSITIONS or batch * tokens <= STAGE_LONG_MAX_TOKENS))
 
 
@@ -889,10 +888,15 @@ def plan_sparse_mla(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx, s
     return [fwd, combine_launch(part_lse, part_out, sink, out)]
 
 
+def _staged_bytes_per_request(tokens: int, num_idx_total: int, head_dim: int, value_bytes: int) -> int:
+    """Bytes of one request's staged rows (the lists' capacity; at least one position)."""
+    return tokens * max(num_idx_total, 1) * head_dim * value_bytes
+
+
 def stage_chunk(batch: int, tokens: int, num_idx_total: int, head_dim: int, value_bytes: int = 2) -> int:
     """Requests a staging chunk takes: as many as keep its staged rows within STAGE_MAX_BYTES (at
     least one), spread evenly over the fewest chunks."""
-    per_request = tokens * max(num_idx_total, 1) * head_dim * value_bytes
+    per_request = _staged_bytes_per_request(tokens, num_idx_total, head_dim, value_bytes)
     chunks = triton.cdiv(batch, max(1, min(batch, STAGE_MAX_BYTES // per_request)))
     return triton.cdiv(batch, chunks)
 
