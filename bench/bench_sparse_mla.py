@@ -222,6 +222,8 @@ def cross_compile(launch, capability: int):
     if meta.get("maxnreg"):  # a register cap is a compile option, not a constexpr
         options["maxnreg"] = meta["maxnreg"]
     meta.pop("maxnreg", None)
+    if meta.pop("launch_pdl", False):  # programmatic dependent launch is a compile option too
+        options["launch_pdl"] = True
     if meta.get("INTERPRETED"):
         meta.update(INTERPRETED=False, KV_DTYPE=tl.bfloat16, DOT_PRECISION="tf32")
     names = list(inspect.signature(launch.kernel.fn).parameters)

@@ -1,12 +1,74 @@
 """Decides where a dsv4 op runs: compiled Triton on CUDA, the Triton interpreter on CPU when
-TRITON_INTERPRET=1 (CI), and the torch reference otherwise; and the launch limits the kernels share."""
+TRITON_INTERPRET=1 (CI), and the torch reference otherwise; the launch limits the kernels share;
+and programmatic dependent launch (PDL) between an op's own kernels.
+
+PDL (sm_90 and newer): a kernel launched with `launch_pdl` may start its programs before the
+kernel before it has finished; it calls `wait_for_producers` before it reads anything an earlier
+kernel wrote and before it writes. When that earlier kernel lets its dependents launch early
+(`gdc_launch_dependents`), they take SM slots as its last programs finish. On the H200 that paid
+off before a kernel that reads static data ahead of its wait (the FP4 MoE's down projection reads
+its first weights) or before a small grid (the split-K combine), and cost 1-10 us before a grid
+whose programs need an even spread over the SMs (the indexer's selection, the sparse MLA tile
+after staging; bench/RESULTS.md, twenty-seventh session): those kernels' predecessors do not let
+them launch early, and they only save the launch latency.
+"""
 import os
 
 import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis
+
+# A kernel's PDL constexpr: launched plainly; launched with PDL, it waits for its producers; or it
+# waits, then lets its own dependents launch.
+PDL_OFF, PDL_WAIT, PDL_WAIT_RELEASE = 0, 1, 2
+
+# DSV4_PDL=0 turns programmatic dependent launch off.
+_pdl_wanted = os.environ.get("DSV4_PDL", "1") != "0"
 
 
 def triton_runs_on(t: torch.Tensor) -> bool:
     """True when a Triton kernel can launch on the device of `t`."""
     return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def set_pdl(enabled: bool) -> None:
+    """Turns programmatic dependent launch between the ops' kernels on or off for launches from now
+    on (benches compare both; a captured CUDA graph keeps what it was captured with)."""
+    global _pdl_wanted
+    _pdl_wanted = bool(enabled)
+
+
+def uses_pdl(t: torch.Tensor) -> bool:
+    """True when kernels for tensors on `t`'s device take programmatic dependent launch: a CUDA
+    device of compute capability 9.0 or newer, and PDL not turned off."""
+    return _pdl_wanted and t.is_cuda and torch.cuda.get_device_capability(t.device)[0] >= 9
+
+
+def pdl_launch(t: torch.Tensor, release: bool) -> dict:
+    """Launch keywords of a kernel that follows one of the op's own kernels on `t`'s device: with
+    PDL, `launch_pdl` and its PDL constexpr (PDL_WAIT_RELEASE when `release`: its dependents may
+    launch once all its programs have started); else PDL_OFF."""
+    if not uses_pdl(t):
+        return {"PDL": PDL_OFF}
+    return {"launch_pdl": True, "PDL": PDL_WAIT_RELEASE if release else PDL_WAIT}
+
+
+@triton.jit
+def wait_for_producers(PDL: tl.constexpr):
+    """PDL_WAIT / PDL_WAIT_RELEASE: blocks until the kernels launched before this one have finished
+    and their writes are visible; PDL_WAIT_RELEASE then lets the next kernel's programs launch."""
+    if PDL != 0:
+        gdc_wait()
+        if PDL == 2:
+            gdc_launch_dependents()
+
+
+@triton.jit
+def release_dependents(RELEASE: tl.constexpr):
+    """For a first kernel (launched plainly), RELEASE where PDL is on: lets the next kernel's
+    programs launch now; they wait for this kernel's end before they read its output."""
+    if RELEASE:
+        gdc_launch_dependents()

@@ -45,7 +45,7 @@ import triton.language as tl
 from dsv4_compile.fp4 import dequantize_mxfp4, dequantize_nvfp4
 from dsv4_compile.fp4_tiles import TILE_COLS, TILE_ROWS, is_tiled, logical_shape, untile_fp4
 
-from ._runtime import MAX_GRID_Y, triton_runs_on
+from ._runtime import MAX_GRID_Y, pdl_launch, triton_runs_on, wait_for_producers
 from .moe_pairs import block_bound, combine_pairs_triton, expert_blocks
 
 logger = logging.getLogger("dsv4_compile")
@@ -274,17 +274,18 @@ def _swiglu(gate, up, LIMIT, HAS_LIMIT: tl.constexpr):
 
 @triton.jit
 def _block_rows(block, block_expert_ptr, block_start_ptr, block_end_ptr, BLOCK_M: tl.constexpr,
-                DIRECT: tl.constexpr):
+                DIRECT: tl.constexpr, FROM_L2: tl.constexpr = False):
     """(expert id, rows [BLOCK_M], row mask) of expert block `block` of the table (`expert_blocks`), or
     with DIRECT of pair `block` alone (one block a pair; block_expert_ptr then points at the flat ids,
     which may be -1 or >= E)."""
-    expert = tl.load(block_expert_ptr + block)
+    CACHE: tl.constexpr = ".cg" if FROM_L2 else ""
+    expert = tl.load(block_expert_ptr + block, cache_modifier=CACHE)
     if DIRECT:
         start = block
         end = block + 1
     else:
-        start = tl.load(block_start_ptr + block)
-        end = tl.load(block_end_ptr + block)
+        start = tl.load(block_start_ptr + block, cache_modifier=CACHE)
+        end = tl.load(block_end_ptr + block, cache_modifier=CACHE)
     rows = start + tl.arange(0, BLOCK_M)
     return expert, rows, rows < end
 
@@ -922,11 +923,13 @@ def _gate_up_mma_kernel(
     SCALE_ASM: tl.constexpr,
     K_SPLITS: tl.constexpr,
     DIRECT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """x [M, K] (int32 pairs where PACKED), w13 / scales as int32 words -> hidden [M*k, I] (rows in
     sorted-pair order, or pair order with DIRECT). With K_SPLITS > 1, program_id(2) sums K / K_SPLITS
     of the reduction and stores its gate and up sums, f32, at part[split, row, :I] and [I:]
     (`_swiglu_partials_kernel` finishes them)."""
+    wait_for_producers(PDL)
     expert, rows, row_mask = _block_rows(tl.program_id(1), block_expert_ptr, block_start_ptr, block_end_ptr,
                                          BLOCK_M, DIRECT)
     if (expert < 0) | (expert >= E):
@@ -991,10 +994,11 @@ def _swiglu_partials_kernel(
     part_ptr, block_expert_ptr, block_start_ptr, block_end_ptr, hidden_ptr,
     E, stride_ps, stride_pr, stride_h, LIMIT,
     I: tl.constexpr, SPLITS: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
-    DIRECT: tl.constexpr,
+    DIRECT: tl.constexpr, PDL: tl.constexpr,
 ):
     """Split gate/up sums part [SPLITS, M*k, 2I] f32 -> hidden [M*k, I] = clamped SwiGLU of their sums
     (in split order), for the rows of block program_id(1) (`_block_rows`), columns tile program_id(0)."""
+    wait_for_producers(PDL)
     expert, rows, row_mask = _block_rows(tl.program_id(1), block_expert_ptr, block_start_ptr, block_end_ptr,
                                          BLOCK_M, DIRECT)
     if (expert < 0) | (expert >= E):
@@ -1046,20 +1050,38 @@ def _down_mma_kernel(
     TILED: tl.constexpr,
     SCALE_ASM: tl.constexpr,
     DIRECT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """hidden [M*k, I] (int32 pairs where PACKED), w2 / scales as int32 words -> weighted pair
-    outputs [M*k, K] f32 (blocks as in `_block_rows`)."""
+    outputs [M*k, K] f32 (blocks as in `_block_rows`).
+
+    With PDL and PREFETCH the programs read their block and their first K step's weights before they
+    wait for the hidden rows: they launch once every program of the kernel before (gate/up, or the
+    split sums) has passed its own wait, so the block table and the ids are final in L2 and are read
+    past L1 (FROM_L2); the weights never change."""
+    EARLY: tl.constexpr = PREFETCH and PDL != 0
+    if not EARLY:
+        wait_for_producers(PDL)
     expert, rows, row_mask = _block_rows(tl.program_id(1), block_expert_ptr, block_start_ptr, block_end_ptr,
-                                         BLOCK_M, DIRECT)
+                                         BLOCK_M, DIRECT, EARLY)
     if (expert < 0) | (expert >= E):
+        if EARLY:  # the wait keeps this kernel's end after its producers' (kernels after it rely on that)
+            wait_for_producers(PDL)
         return
     col0 = tl.program_id(0) * BLOCK_N
     w_base = w2_ptr + expert.to(tl.int64) * stride_we
     s_base = s2_ptr + expert.to(tl.int64) * stride_se
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if PREFETCH:  # as in _gate_up_mma_kernel
-        ha, wa, sa = _down_mma_loads(hidden_ptr, rows, row_mask, w_base, s_base, col0, 0, True, stride_h, stride_wn,
-                                     stride_sn, K, GROUP, BLOCK_N, BLOCK_K, NUM_WARPS, PACKED, TILED, SCALE_ASM)
+        if EARLY:
+            wa, sa = _mma_load_weights(w_base, s_base, col0, K, 0, stride_wn, stride_sn,
+                                       GROUP, BLOCK_N, BLOCK_K, NUM_WARPS, TILED, SCALE_ASM)
+            wait_for_producers(PDL)
+            ha = _mma_load_act(hidden_ptr, rows, row_mask, 0, stride_h, BLOCK_K, PACKED)
+        else:
+            ha, wa, sa = _down_mma_loads(hidden_ptr, rows, row_mask, w_base, s_base, col0, 0, True, stride_h,
+                                         stride_wn, stride_sn, K, GROUP, BLOCK_N, BLOCK_K, NUM_WARPS, PACKED, TILED,
+                                         SCALE_ASM)
         for k0 in range(0, I, 2 * BLOCK_K):
             hb, wb, sb = _down_mma_loads(hidden_ptr, rows, row_mask, w_base, s_base, col0, k0 + BLOCK_K,
                                          k0 + BLOCK_K < I, stride_h, stride_wn, stride_sn, K, GROUP, BLOCK_N, BLOCK_K,
@@ -1434,6 +1456,10 @@ def fp4_moe_pairs_triton(
         return (tiles, num_blocks, splits) if config.path == "mma" else (num_blocks, tiles)
 
     limit = float(swiglu_limit) if swiglu_limit is not None else 0.0
+    pdl = pdl_launch(x, release=True)  # the mma kernels (and the split sums) follow each other
+    if config.path == "mma":
+        gate_up_args.update(pdl)
+        down_args.update(pdl)
     # K, I, k are constexpr: fixed per model, and loop bounds the interpreter (numpy >= 2.4) accepts.
     gate_up[grid(inter, gate_up_args, k_splits)](
         x_in, order, block_expert, block_start, block_end, w13, s13, g13, hidden_rows,
@@ -1448,7 +1474,7 @@ def fp4_moe_pairs_triton(
             part, block_expert, block_start, block_end, hidden_rows,
             experts, part.stride(0), part.stride(1), hidden_rows.stride(0), limit,
             I=inter, SPLITS=k_splits, HAS_LIMIT=swiglu_limit is not None, BLOCK_M=config.block_m,
-            BLOCK=finish_block, DIRECT=config.direct_blocks, num_warps=4,
+            BLOCK=finish_block, DIRECT=config.direct_blocks, num_warps=4, **pdl,
         )
     down[grid(hidden, down_args)](
         h_in, order, block_expert, block_start, block_end, weights, w2, s2, g2, pair_out,

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._runtime import pdl_launch, release_dependents, uses_pdl, wait_for_producers
+
 # expert_blocks without a torch.sort and some 30 small torch kernels. Up to ONE_PROGRAM_PAIRS pairs
 # (every decode and verify batch of V4-Flash at k=6) one program does it all (`_group_pairs_kernel`);
 # past that, two launches plus zeroed counts: `_count_pairs_kernel` counts the pairs per expert with
@@ -73,9 +75,10 @@ def _place_pairs_kernel(ids_ptr, counts_ptr, rank_ptr, order_ptr, block_expert_p
 @triton.jit
 def _group_pairs_kernel(ids_ptr, scratch_ptr, order_ptr, block_expert_ptr, block_start_ptr, block_end_ptr,
                         P, NB, E, BLOCK_M: tl.constexpr, P_PAD: tl.constexpr, E_PAD: tl.constexpr,
-                        NB_CHUNK: tl.constexpr):
+                        NB_CHUNK: tl.constexpr, RELEASE: tl.constexpr):
     """expert_blocks in one program: counts by histogram, ranks by atomics on a scratch the program
     zeroes itself, each expert's first row through the scratch, blocks scattered per expert."""
+    release_dependents(RELEASE)  # the expert kernels' programs may take their SM slots meanwhile
     e = tl.arange(0, E_PAD)
     tl.store(scratch_ptr + e, 0)
     offs = tl.arange(0, P_PAD)
@@ -148,7 +151,7 @@ def expert_blocks(topk_ids: torch.Tensor, experts: int,
         _group_pairs_kernel[(1,)](ids, scratch, order, block_expert, block_start, block_end, pairs, num_blocks,
                                   experts, BLOCK_M=block_m, P_PAD=triton.next_power_of_2(pairs), E_PAD=e_pad,
                                   NB_CHUNK=min(1024, triton.next_power_of_2(max(num_blocks, 1))),
-                                  num_warps=ONE_PROGRAM_WARPS)
+                                  RELEASE=uses_pdl(ids), num_warps=ONE_PROGRAM_WARPS)
         return order, block_expert, block_start, block_end
     counts = torch.zeros(experts + 1, dtype=torch.int32, device=device)
     rank = torch.empty(pairs, dtype=torch.int32, device=device)
@@ -170,7 +173,8 @@ def combine_pairs(pair_out: torch.Tensor, topk_ids: torch.Tensor, experts: int, 
 
 @triton.jit
 def _combine_pairs_kernel(pair_ptr, ids_ptr, out_ptr, E, K, stride_p, stride_o,
-                          TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+                          TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_producers(PDL)
     m = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     col_ok = cols < K
@@ -211,5 +215,5 @@ def combine_pairs_triton(pair_out: torch.Tensor, topk_ids: torch.Tensor, experts
     block = min(COMBINE_BLOCK, triton.next_power_of_2(hidden))
     _combine_pairs_kernel[(tokens, triton.cdiv(hidden, block))](
         pair_out, topk_ids.contiguous(), out, experts, hidden, pair_out.stride(0), out.stride(0),
-        TOP_K=top_k, BLOCK=block, num_warps=4)
+        TOP_K=top_k, BLOCK=block, num_warps=4, **pdl_launch(pair_out, release=False))
     return out

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._runtime import MAX_GRID_Y, triton_runs_on
+from ._runtime import MAX_GRID_Y, pdl_launch, triton_runs_on, wait_for_producers
 from .fp8_rows import SCALE_GROUP, STAGE_ROWS, _load_rows, dequantize_fp8_rows, stage_fp8_rows_launch
 
 LOG2E = 1.4426950408889634
@@ -455,6 +455,7 @@ def _sparse_mla_fwd(
     HAS_EXTRA: tl.constexpr, HAS_SINK: tl.constexpr, SPLIT: tl.constexpr,
     KV_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_K: tl.constexpr, E_BLOCK_K: tl.constexpr,
     INTERPRETED: tl.constexpr, NUM_STAGES: tl.constexpr, IDX_ASM: tl.constexpr, KV_HALVES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program: H_BLOCK heads x BLOCK_DV value columns of one query token, over one split.
 
@@ -462,6 +463,7 @@ def _sparse_mla_fwd(
     normalised output (SPLIT false) or the split's normalised partial output [B,T,H,S,Dh] f32
     and its log-sum-exp [B,T,H,S] f32 (SPLIT true; a combine finishes).
     """
+    wait_for_producers(PDL)
     NUM_DV: tl.constexpr = BLOCK_D // BLOCK_DV
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -565,10 +567,11 @@ def _sparse_mla_fwd(
 @triton.jit
 def _sparse_mla_combine(part_lse_ptr, part_out_ptr, sink_ptr, out_ptr, H, num_splits,
                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                        HAS_SINK: tl.constexpr):
+                        HAS_SINK: tl.constexpr, PDL: tl.constexpr):
     """One program per (b, t, h): merges the split partials (`combine_partials_reference`),
     BLOCK_S splits at a time; the partial rows of splits with lse = -inf (no selected row) are
     never read, so a long index list with few valid positions costs what its valid splits do."""
+    wait_for_producers(PDL)
     bth = tl.program_id(0).to(tl.int64)
     lse_row = part_lse_ptr + bth * num_splits
     m_all = -float("inf")
@@ -812,7 +815,7 @@ def combine_launch(part_lse: torch.Tensor, part_out: torch.Tensor, sink: torch.T
         (part_lse, part_out, sink if sink is not None else part_lse, out, heads, splits),
         dict(HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
              BLOCK_S=min(triton.next_power_of_2(splits), COMBINE_SPLITS), HAS_SINK=sink is not None,
-             num_warps=4),
+             num_warps=4, **pdl_launch(out, release=False)),
     )
 
 
@@ -881,7 +884,7 @@ def plan_sparse_mla(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx, s
              E_BLOCK_K=triton.next_power_of_2(max(num_extra, 1)),
              INTERPRETED=not q.is_cuda, NUM_STAGES=cfg.num_stages,
              IDX_ASM=cfg.idx_asm, KV_HALVES=cfg.kv_halves,
-             num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(q, release=split)),
     )
     if not split or partials is not None:
         return [fwd]

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._runtime import pdl_launch, wait_for_producers
+
 NUM_BINS = 64
 DEFAULT_CHUNK = 2048
 # H200 sweep (bench/bench_indexer.py --sweep, B=64, H=64, top-k 512): chunk 2048 with 4 warps was the
@@ -86,7 +88,9 @@ def _score_bin(x, top, scale, NUM_BINS: tl.constexpr):
 @triton.jit
 def _chunk_hist_kernel(ws_ptr, lens_ptr, hist_ptr, grid_ptr, T, S_MAX, N_CHUNKS, PROGRAMS,
                        sl_b, sl_t, TOPK: tl.constexpr, CHUNK: tl.constexpr,
-                       NUM_BINS: tl.constexpr, SPREAD: tl.constexpr, SAMPLES: tl.constexpr):
+                       NUM_BINS: tl.constexpr, SPREAD: tl.constexpr, SAMPLES: tl.constexpr,
+                       PDL: tl.constexpr):
+    wait_for_producers(PDL)
     row = tl.program_id(0)
     n = _row_len(lens_ptr, row, T, S_MAX, sl_b, sl_t)
     n_chunks = tl.where(n > TOPK, (n + CHUNK - 1) // CHUNK, 0)
@@ -152,7 +156,8 @@ def _split_chunk(ws_ptr, hist_row, out_ptr, cand_ptr, cand_slot_ptr, row, chunk,
 def _chunk_split_kernel(ws_ptr, lens_ptr, grid_ptr, hist_ptr, out_ptr, cand_ptr, cand_slot_ptr,
                         meta_ptr, T, S_MAX, N_CHUNKS, PROGRAMS, CAP, sl_b, sl_t,
                         TOPK: tl.constexpr, CHUNK: tl.constexpr, NUM_BINS: tl.constexpr,
-                        HIST_TILE: tl.constexpr, SUB: tl.constexpr):
+                        HIST_TILE: tl.constexpr, SUB: tl.constexpr, PDL: tl.constexpr):
+    wait_for_producers(PDL)
     row = tl.program_id(0)
     n = _row_len(lens_ptr, row, T, S_MAX, sl_b, sl_t)
     n_chunks = tl.where(n > TOPK, (n + CHUNK - 1) // CHUNK, 0)
@@ -246,7 +251,8 @@ def _slots(slot_src, from_list, start, valid, BLOCK: tl.constexpr):
 
 @triton.jit
 def _finish_kernel(ws_ptr, lens_ptr, out_ptr, cand_ptr, cand_slot_ptr, meta_ptr, T, S_MAX, CAP,
-                   sl_b, sl_t, TOPK: tl.constexpr, BLOCK: tl.constexpr):
+                   sl_b, sl_t, TOPK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_producers(PDL)
     row = tl.program_id(0)
     n = _row_len(lens_ptr, row, T, S_MAX, sl_b, sl_t)
     out_row = out_ptr + row.to(tl.int64) * TOPK
@@ -345,14 +351,17 @@ def select_topk_triton(scores: torch.Tensor, lens: torch.Tensor, topk: int, out:
     meta = torch.empty((rows, 2), dtype=torch.int32, device=dev)
     common = (tokens, slots, n_chunks, programs)
     grid = (rows, programs)
+    # Each waits for the kernel before it, which does not let it launch early: these latency-bound grids
+    # need their programs spread over the SMs (see _runtime).
+    pdl = pdl_launch(scores, release=False)
     return [
         _chunk_hist_kernel[grid](scores, lens, hist, bin_grid, *common, *lens.stride(), TOPK=topk,
                                  CHUNK=chunk, NUM_BINS=NUM_BINS, SPREAD=SPREAD, SAMPLES=SAMPLES,
-                                 num_warps=num_warps),
+                                 num_warps=num_warps, **pdl),
         _chunk_split_kernel[grid](scores, lens, bin_grid, hist, out, cand, cand_slot, meta,
                                   *common, cap, *lens.stride(), TOPK=topk, CHUNK=chunk,
                                   NUM_BINS=NUM_BINS, HIST_TILE=_HIST_TILE,
-                                  SUB=min(split_block, chunk), num_warps=num_warps),
+                                  SUB=min(split_block, chunk), num_warps=num_warps, **pdl),
         _finish_kernel[(rows,)](scores, lens, out, cand, cand_slot, meta, tokens, slots, cap,
-                                *lens.stride(), TOPK=topk, BLOCK=_FINISH_BLOCK, num_warps=8),
+                                *lens.stride(), TOPK=topk, BLOCK=_FINISH_BLOCK, num_warps=8, **pdl),
     ]

@@ -1,0 +1,126 @@
+"""Programmatic dependent launch (kernels/_runtime.py): which of the ops' kernels take it, in which
+mode, and what their compiled code does with it. The interpreter runs none of it (CPU tensors never
+take PDL); the launches are planned on CPU as a GPU with PDL plans them, and compiled for sm_90 and
+sm_120 without a GPU. The H200 checked the outputs of every op bit for bit with and without PDL
+(bench/RESULTS.md, twenty-seventh session)."""
+import pytest
+import torch
+
+from dsv4_compile.kernels import _runtime
+from helpers import run_compiled_script
+
+
+def test_cpu_tensors_never_take_pdl():
+    cpu = torch.zeros(1)
+    assert not _runtime.uses_pdl(cpu)
+    assert _runtime.pdl_launch(cpu, release=True) == {"PDL": _runtime.PDL_OFF}
+
+
+@pytest.mark.parametrize("release, mode", [(True, _runtime.PDL_WAIT_RELEASE), (False, _runtime.PDL_WAIT)])
+def test_pdl_launch_options_follow_the_switch(monkeypatch, release, mode):
+    """With PDL available the launch takes `launch_pdl` and the kernel its mode; set_pdl(False) (or
+    DSV4_PDL=0 at import) turns it off for launches from then on."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda_like = type("CudaLike", (), {"is_cuda": True, "device": "cuda:0"})()
+    try:
+        assert _runtime.pdl_launch(cuda_like, release) == {"launch_pdl": True, "PDL": mode}
+        _runtime.set_pdl(False)
+        assert _runtime.pdl_launch(cuda_like, release) == {"PDL": _runtime.PDL_OFF}
+    finally:
+        _runtime.set_pdl(True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert _runtime.pdl_launch(cuda_like, release) == {"PDL": _runtime.PDL_OFF}  # sm_80 has no PDL
+
+
+_PDL_CROSS_COMPILE = """
+import sys, types, torch, triton.language as tl
+sys.path[:0] = ["bench"]
+from bench_sparse_mla import Case, cross_compile, make_inputs
+from dsv4_compile.kernels import _runtime, fp4_moe as moe, indexer_topk, moe_pairs, sparse_mla as sm, topk_select
+print("module", _runtime.__file__)
+_runtime.uses_pdl = moe_pairs.uses_pdl = lambda t: True  # plan as on a GPU with PDL
+launches = []
+def recorder(kernel):
+    def record(*args, **meta):  # runtime arguments passed by keyword join the positional ones
+        args = list(args) + [meta.pop(p.name) for p in kernel.params[len(args):] if not p.is_constexpr]
+        launches.append(types.SimpleNamespace(kernel=kernel, args=tuple(args), meta=meta))
+    class Record:
+        def __getitem__(self, grid):
+            return record
+    return Record()
+for module, names in ((moe, ("_gate_up_mma_kernel", "_swiglu_partials_kernel", "_down_mma_kernel")),
+                      (moe_pairs, ("_group_pairs_kernel", "_combine_pairs_kernel")),
+                      (topk_select, ("_chunk_hist_kernel", "_chunk_split_kernel", "_finish_kernel")),
+                      (indexer_topk, ("_score_pages_kernel",))):
+    for name in names:
+        setattr(module, name, recorder(getattr(module, name)))
+# FP4 MoE, K=256 and I=128: one decode token's class (split gate/up sums, direct blocks), then the
+# 32-row class (the grouping kernel), and the combine
+x = torch.zeros(2, 256, dtype=torch.bfloat16)
+w13, w2 = torch.zeros(2, 256, 128, dtype=torch.uint8), torch.zeros(2, 256, 64, dtype=torch.uint8)
+s13, s2 = torch.zeros(2, 256, 8, dtype=torch.uint8), torch.zeros(2, 256, 4, dtype=torch.uint8)
+ids = torch.zeros(2, 6, dtype=torch.int32)
+for cls in ("mma_token", "mma"):
+    pairs = moe.fp4_moe_pairs_triton(x, ids, torch.ones(2, 6), w13, s13, w2, s2, "mxfp4", None, None, None,
+                                     config=moe.DEFAULT_CONFIGS[cls])
+moe_pairs.combine_pairs_triton(pairs, ids, 2, torch.bfloat16)
+# the indexer: scoring, then the three selection kernels
+q = torch.zeros(1, 1, 4, 32)
+indexer_topk.indexer_topk_triton(q, torch.zeros(1, 1, 4), torch.zeros(2, 64, 32), None,
+                                 torch.zeros(1, 2, dtype=torch.int32), torch.full((1, 1), 100, dtype=torch.int32), 8)
+# sparse MLA: split (tile then combine) and unsplit bf16 rows, staged FP8 rows
+for fmt, splits in (("bf16", 3), ("bf16", 1), ("fp8", 1)):
+    args = make_inputs(Case("csa", 2, 1, 32, "csa", fmt, 64), torch.device("cpu"))
+    cfg = sm.pick_config(2, 1, 32, 512, 192, torch.device("cpu"), splits, fmt == "fp8")
+    if fmt == "fp8":
+        cfg = sm.replace(cfg, stage_fp8=True)
+    launches += sm.plan_sparse_mla(*args, out=torch.empty_like(args[0]), config=cfg)
+for launch in launches:
+    name = launch.kernel.fn.__name__
+    mode = launch.meta.get("PDL", launch.meta.get("RELEASE", "none"))
+    if name == "_score_pages_kernel":  # not compiled: it takes no PDL
+        print(name, launch.meta.get("launch_pdl", False), mode, "-", "-", "-", "-")
+        continue
+    if name in ("_gate_up_mma_kernel", "_down_mma_kernel"):  # as the launcher passes them on a GPU
+        launch.meta.update(DOT_DTYPE=tl.bfloat16, COMPILED=True)
+    for cap in (90, 120):
+        ptx = cross_compile(launch, cap).asm["ptx"]
+        wait = ptx.find("griddepcontrol.wait")
+        cg = ptx.find("ld.global.cg")
+        print(name, launch.meta.get("launch_pdl", False), mode, cap, ptx.count("griddepcontrol.wait"),
+              ptx.count("griddepcontrol.launch_dependents"), 0 <= cg < wait)
+"""
+
+
+def test_each_kernel_takes_its_pdl_mode_and_compiles_it():
+    """Planned as on a GPU with PDL and compiled for sm_90 and sm_120 (no GPU needed):
+    - the FP4 MoE's grouping kernel lets the expert kernels launch early without waiting itself (it
+      is launched plainly); gate/up, the split sums and the down kernel wait, then let the next launch;
+      the down kernel reads its block table past L1 (ld.global.cg) before its wait; the combine waits;
+    - the indexer's scoring takes no PDL and its three selection kernels wait without letting the
+      next launch early (on the H200 an early launch cost 1-10 us there);
+    - sparse MLA's tile waits, and lets its combine launch early only when split; the combine
+      waits; the FP8 staging kernel takes no PDL.
+    Every waiting kernel is launched with launch_pdl, and its PTX waits exactly where its mode says."""
+    rows = run_compiled_script(_PDL_CROSS_COMPILE, _runtime.__file__)
+    got = {}
+    for name, launch_pdl, mode, cap, waits, releases, cg_first in rows:
+        got.setdefault((name, launch_pdl, mode), set()).add((cap, waits, releases, cg_first))
+    wait_release = {(cap, "1", "1", "False") for cap in ("90", "120")}
+    wait_only = {(cap, "1", "0", "False") for cap in ("90", "120")}
+    assert got == {
+        ("_group_pairs_kernel", "False", "True"): {(cap, "0", "1", "False") for cap in ("90", "120")},
+        ("_gate_up_mma_kernel", "True", "2"): wait_release,
+        ("_swiglu_partials_kernel", "True", "2"): wait_release,
+        # a wait (and release) on each path: before the hidden rows, or before leaving an empty block
+        ("_down_mma_kernel", "True", "2"): {(cap, "2", "2", "True") for cap in ("90", "120")},
+        ("_combine_pairs_kernel", "True", "1"): wait_only,
+        ("_score_pages_kernel", "False", "none"): {("-", "-", "-", "-")},
+        ("_chunk_hist_kernel", "True", "1"): wait_only,
+        ("_chunk_split_kernel", "True", "1"): wait_only,
+        ("_finish_kernel", "True", "1"): wait_only,
+        ("_sparse_mla_fwd", "True", "2"): wait_release,
+        ("_sparse_mla_fwd", "True", "1"): wait_only,
+        ("_sparse_mla_combine", "True", "1"): wait_only,
+        ("_stage_fp8_rows_kernel", "False", "none"): {(cap, "0", "0", "False") for cap in ("90", "120")},
+    }, got
