@@ -7,8 +7,9 @@
 A variant is `label` (fp4_moe's DEFAULT_CONFIGS as they are) or `label:class.field=value;...`, which
 replaces TileConfig fields of DEFAULT_CONFIGS[class] (values are Python literals); `inductor.option=value`
 passes an inductor config option to the backend for that variant's compile (for example
-`combo:inductor.combo_kernels=True`), and `passes.name=False` compiles without that dsv4 pass (for
-example `cublas_head:passes.weight_stream_mm=False`). Each variant compiles the step again on the same model and caches,
+`combo:inductor.combo_kernels=True`), `passes.name=False` compiles without that dsv4 pass (for
+example `cublas_head:passes.weight_stream_mm=False`), and `runtime.pdl=False` launches the ops' kernels
+without programmatic dependent launch (`dsv4_compile.kernels._runtime.set_pdl`). Each variant compiles the step again on the same model and caches,
 with its configs in place while it compiles, records its CUDA graph and runs; its logits are compared
 with the first variant's. A variant whose compile or first run raises is reported and left out. A
 second compile of the first variant joins as the noise control. The steps then alternate for --rounds
@@ -34,29 +35,33 @@ from pathlib import Path
 CONTROL = "control"
 INDUCTOR = "inductor"
 PASSES = "passes"
+RUNTIME = "runtime"
 
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """One compile of the step: fp4_moe size classes replaced (class -> TileConfig), inductor options and
-    dsv4 passes left out (their short names)."""
+    """One compile of the step: fp4_moe size classes replaced (class -> TileConfig), inductor options,
+    dsv4 passes left out (their short names), and whether the ops' kernels take programmatic dependent
+    launch."""
 
     label: str
     configs: dict
     inductor: dict
     passes_off: tuple[str, ...] = ()
+    pdl: bool = True
 
     def describe(self) -> str:
         parts = [f"{c}: {cfg}" for c, cfg in self.configs.items()]
         parts += [f"{INDUCTOR}.{option}={value!r}" for option, value in self.inductor.items()]
         parts += [f"{PASSES}.{name}=False" for name in self.passes_off]
+        parts += [] if self.pdl else [f"{RUNTIME}.pdl=False"]
         return "; ".join(parts)
 
 
 def parse_variant(spec: str, configs: dict) -> Variant:
     """`label` or `label:class.field=value;...` (class `inductor`: an option of the installed torch's
-    inductor config; class `passes`: a dsv4 pass's short name, value False) -> Variant. configs:
-    fp4_moe's DEFAULT_CONFIGS.
+    inductor config; class `passes`: a dsv4 pass's short name, value False; `runtime.pdl`: True or
+    False) -> Variant. configs: fp4_moe's DEFAULT_CONFIGS.
 
     Raises ValueError naming the spec for a missing label, an unknown size class, field, inductor
     option or pass, a value that is not a Python literal, or one TileConfig rejects."""
@@ -74,6 +79,7 @@ def parse_variant(spec: str, configs: dict) -> Variant:
     wanted: dict[str, dict] = {}
     inductor: dict = {}
     passes_off: list[str] = []
+    pdl = True
     for change in filter(None, (c.strip() for c in changes.split(";"))):
         target, eq, raw = change.partition("=")
         size_class, dot, field = target.strip().partition(".")
@@ -87,9 +93,14 @@ def parse_variant(spec: str, configs: dict) -> Variant:
                 raise ValueError(f"variant {spec!r}: {change!r} must be passes.name=False, name one of {pass_names}")
             passes_off.append(field)
             continue
+        elif size_class == RUNTIME:
+            if field != "pdl" or raw.strip() not in ("True", "False"):
+                raise ValueError(f"variant {spec!r}: {change!r} must be {RUNTIME}.pdl=True or False")
+            pdl = raw.strip() == "True"
+            continue
         elif size_class not in configs:
             raise ValueError(f"variant {spec!r}: unknown size class {size_class!r}; one of "
-                             f"{sorted(configs) + [INDUCTOR, PASSES]}")
+                             f"{sorted(configs) + [INDUCTOR, PASSES, RUNTIME]}")
         elif field not in fields:
             raise ValueError(f"variant {spec!r}: TileConfig has no field {field!r}; fields: {sorted(fields)}")
         try:
@@ -104,7 +115,7 @@ def parse_variant(spec: str, configs: dict) -> Variant:
         replaced = {c: dataclasses.replace(configs[c], **f) for c, f in wanted.items()}
     except (TypeError, ValueError) as exc:
         raise ValueError(f"variant {spec!r}: {exc}") from None
-    return Variant(label, replaced, inductor, tuple(passes_off))
+    return Variant(label, replaced, inductor, tuple(passes_off), pdl)
 
 
 def paired_summary(times_us: dict[str, list[float]]) -> list[dict]:
@@ -172,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.slice_model import build_slice, fill_caches_, smoke_model
     from dsv4_compile.backend import Dsv4Backend
     from dsv4_compile.compiled_step import compile_step
-    from dsv4_compile.kernels import fp4_moe
+    from dsv4_compile.kernels import _runtime, fp4_moe
     from dsv4_compile.passes.manager import PASS_MODULES, PassConfig
     from dsv4_compile.passes.report import PassReport
 
@@ -201,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
 
     steps, logits, failed = {}, {}, {}
     for index, variant in enumerate(variants):
-        if index == 0 and not (variant.inductor or variant.passes_off):
+        if index == 0 and not (variant.inductor or variant.passes_off or not variant.pdl):
             compiled = engine.compiled_step
         else:
             backend = engine.backend
@@ -210,11 +221,12 @@ def main(argv: list[str] | None = None) -> int:
                 backend = Dsv4Backend(PassConfig(passes=kept), PassReport(), cudagraphs=device.type == "cuda")
             compiled = compile_step(engine.module, functools.partial(backend, options=variant.inductor), 1)
 
-        def step(compiled=compiled, configs=variant.configs):
-            # The op reads DEFAULT_CONFIGS when it launches: while a CUDA graph records, and at every
-            # call on CPU, where nothing is recorded.
+        def step(compiled=compiled, configs=variant.configs, pdl=variant.pdl):
+            # The ops read DEFAULT_CONFIGS and the PDL switch when they launch: while a CUDA graph
+            # records, and at every call on CPU, where nothing is recorded.
             fp4_moe.DEFAULT_CONFIGS.update(defaults)
             fp4_moe.DEFAULT_CONFIGS.update(configs)
+            _runtime.set_pdl(pdl)
             if device.type == "cuda":
                 torch.compiler.cudagraph_mark_step_begin()
             with torch.no_grad():

@@ -37,12 +37,21 @@ def test_parse_variant_leaves_passes_out():
     assert "passes.weight_stream_mm=False" in variant.describe()
 
 
+def test_parse_variant_turns_programmatic_dependent_launch_off():
+    module = bench_module("paired_step")
+    variant = module.parse_variant("nopdl: runtime.pdl=False", dict(fp4_moe.DEFAULT_CONFIGS))
+    assert variant.pdl is False and variant.configs == {} and variant.inductor == {} and variant.passes_off == ()
+    assert variant.describe() == "runtime.pdl=False"
+    assert module.parse_variant("base", dict(fp4_moe.DEFAULT_CONFIGS)).pdl is True
+
+
 @pytest.mark.parametrize("spec, match", [
     (":mma.max_regs=0", "label"), ("x:mma.max_regs", "class.field=value"), ("x:max_regs=0", "class.field=value"),
     ("x:huge.max_regs=0", "unknown size class"), ("x:mma.regs=0", "no field"), ("x:mma.max_regs=oops", "literal"),
     ("x:mma.max_regs=999", "max_regs"), ("x:mma.block_n=48", "block_n"),
     ("x:inductor.no_such_option=1", "no config option"), ("x:inductor.combo_kernels=yes", "literal"),
     ("x:passes.no_such_pass=False", "passes.name=False"), ("x:passes.skinny_mm=True", "passes.name=False"),
+    ("x:runtime.pdl=0", "runtime.pdl=True or False"), ("x:runtime.launch=False", "runtime.pdl=True or False"),
 ])
 def test_parse_variant_rejects_bad_specs_naming_them(spec, match):
     with pytest.raises(ValueError, match=match) as err:
