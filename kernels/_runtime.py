@@ -25,8 +25,17 @@ MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis
 # waits, then lets its own dependents launch.
 PDL_OFF, PDL_WAIT, PDL_WAIT_RELEASE = 0, 1, 2
 
-# DSV4_PDL=0 turns programmatic dependent launch off.
-_pdl_wanted = os.environ.get("DSV4_PDL", "1") != "0"
+
+
+def _pdl_from_environment() -> bool:
+    """DSV4_PDL: unset or 1 takes programmatic dependent launch where the GPU has it, 0 turns it off."""
+    value = os.environ.get("DSV4_PDL", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"DSV4_PDL must be unset, 0 or 1, got {value!r}")
+    return value == "1"
+
+
+_pdl_wanted = _pdl_from_environment()
 
 
 def triton_runs_on(t: torch.Tensor) -> bool:

@@ -32,6 +32,31 @@ def test_pdl_launch_options_follow_the_switch(monkeypatch, release, mode):
     assert _runtime.pdl_launch(cuda_like, release) == {"PDL": _runtime.PDL_OFF}  # sm_80 has no PDL
 
 
+_ENVIRONMENT = """
+import torch
+from dsv4_compile.kernels import _runtime
+print("module", _runtime.__file__)
+torch.cuda.get_device_capability = lambda device=None: (9, 0)
+cuda_like = type("CudaLike", (), {"is_cuda": True, "device": "cuda:0"})()
+print(_runtime.pdl_launch(cuda_like, True).get("launch_pdl", False))
+"""
+
+
+@pytest.mark.parametrize("value, takes_pdl", [(None, "True"), ("1", "True"), ("0", "False")])
+def test_dsv4_pdl_environment_variable(monkeypatch, value, takes_pdl):
+    if value is None:
+        monkeypatch.delenv("DSV4_PDL", raising=False)
+    else:
+        monkeypatch.setenv("DSV4_PDL", value)
+    assert run_compiled_script(_ENVIRONMENT, _runtime.__file__) == [[takes_pdl]]
+
+
+def test_dsv4_pdl_other_values_raise_naming_it(monkeypatch):
+    monkeypatch.setenv("DSV4_PDL", "yes")
+    with pytest.raises(AssertionError, match="DSV4_PDL must be unset, 0 or 1, got 'yes'"):
+        run_compiled_script(_ENVIRONMENT, _runtime.__file__)
+
+
 _PDL_CROSS_COMPILE = """
 import sys, types, torch, triton.language as tl
 sys.path[:0] = ["bench"]
