@@ -3,8 +3,10 @@ TRITON_INTERPRET=1 (CI), and the torch reference otherwise; the launch limits th
 and programmatic dependent launch (PDL) between an op's own kernels.
 
 PDL (sm_90 and newer): a kernel launched with `launch_pdl` may start its programs before the
-kernel before it has finished; it calls `wait_for_producers` before it reads anything an earlier
-kernel wrote and before it writes. When that earlier kernel lets its dependents launch early
+kernel before it has finished; it calls `wait_for_producers` before it writes and before it reads
+anything an earlier kernel wrote. (One exception: the FP4 MoE's down kernel reads its block table
+and first weights before its wait; its docstring says why that is safe.) A kernel lets its own
+dependents launch only after its wait, or, launched plainly, at its start. When it does
 (`gdc_launch_dependents`), they take SM slots as its last programs finish. On the H200 that paid
 off before a kernel that reads static data ahead of its wait (the FP4 MoE's down projection reads
 its first weights) or before a small grid (the split-K combine), and cost 1-10 us before a grid
@@ -24,7 +26,7 @@ MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis
 # A kernel's PDL constexpr: launched plainly; launched with PDL, it waits for its producers; or it
 # waits, then lets its own dependents launch.
 PDL_OFF, PDL_WAIT, PDL_WAIT_RELEASE = 0, 1, 2
-
+_OFF, _WAIT_RELEASE = tl.constexpr(PDL_OFF), tl.constexpr(PDL_WAIT_RELEASE)
 
 
 def _pdl_from_environment() -> bool:
@@ -59,7 +61,7 @@ def uses_pdl(t: torch.Tensor) -> bool:
 def pdl_launch(t: torch.Tensor, release: bool) -> dict:
     """Launch keywords of a kernel that follows one of the op's own kernels on `t`'s device: with
     PDL, `launch_pdl` and its PDL constexpr (PDL_WAIT_RELEASE when `release`: its dependents may
-    launch once all its programs have started); else PDL_OFF."""
+    launch once all its programs have passed their wait); else PDL_OFF."""
     if not uses_pdl(t):
         return {"PDL": PDL_OFF}
     return {"launch_pdl": True, "PDL": PDL_WAIT_RELEASE if release else PDL_WAIT}
@@ -69,9 +71,9 @@ def pdl_launch(t: torch.Tensor, release: bool) -> dict:
 def wait_for_producers(PDL: tl.constexpr):
     """PDL_WAIT / PDL_WAIT_RELEASE: blocks until the kernels launched before this one have finished
     and their writes are visible; PDL_WAIT_RELEASE then lets the next kernel's programs launch."""
-    if PDL != 0:
+    if PDL != _OFF:
         gdc_wait()
-        if PDL == 2:
+        if PDL == _WAIT_RELEASE:
             gdc_launch_dependents()
 
 

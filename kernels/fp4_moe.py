@@ -1051,15 +1051,17 @@ def _down_mma_kernel(
     SCALE_ASM: tl.constexpr,
     DIRECT: tl.constexpr,
     PDL: tl.constexpr,
+    EARLY: tl.constexpr,
 ):
     """hidden [M*k, I] (int32 pairs where PACKED), w2 / scales as int32 words -> weighted pair
     outputs [M*k, K] f32 (blocks as in `_block_rows`).
 
-    With PDL and PREFETCH the programs read their block and their first K step's weights before they
-    wait for the hidden rows: they launch once every program of the kernel before (gate/up, or the
-    split sums) has passed its own wait, so the block table and the ids are final in L2 and are read
-    past L1 (FROM_L2); the weights never change."""
-    EARLY: tl.constexpr = PREFETCH and PDL != 0
+    EARLY (with PDL and PREFETCH, on weights read in place): the programs read their block and their
+    first K step's weights before they wait for the hidden rows. They launch once every program of
+    the kernel before (gate/up, or the split sums) has passed its own wait, so the kernels that wrote
+    the block table or the ids have finished: those are read from L2, past L1 (FROM_L2). The model's
+    weights are not written while a step runs; a copy the launcher made of them (padded scale rows,
+    misaligned codes) would be new data at a possibly reused address, so it turns EARLY off."""
     if not EARLY:
         wait_for_producers(PDL)
     expert, rows, row_mask = _block_rows(tl.program_id(1), block_expert_ptr, block_start_ptr, block_end_ptr,
@@ -1423,8 +1425,10 @@ def fp4_moe_pairs_triton(
         common.update(DOT_DTYPE=dot_dtype, NUM_WARPS=config.num_warps, KPACK=kpack, PREFETCH=config.prefetch,
                       COMPILED=not interpreted, SCALE_ASM=config.scale_asm and not interpreted,
                       DIRECT=config.direct_blocks)
+        w2_pointers = (w2.data_ptr(), s2.data_ptr())
         w13, w2 = _as_words(w13), _as_words(w2)
         s13, s2 = _scale_words(s13), _scale_words(s2)
+        w2_in_place = (w2.data_ptr(), s2.data_ptr()) == w2_pointers  # no copy (see _down_mma_kernel's EARLY)
         # bf16 activations travel as int32 words of two values (see `_mma_load_act`).
         x_in, x_packed = (x.view(torch.int32), True) if x.dtype == torch.bfloat16 else (x, False)
         h_in, h_packed = ((hidden_rows.view(torch.int32), True) if hidden_rows.dtype == torch.bfloat16
@@ -1459,7 +1463,7 @@ def fp4_moe_pairs_triton(
     pdl = pdl_launch(x, release=True)  # the mma kernels (and the split sums) follow each other
     if config.path == "mma":
         gate_up_args.update(pdl)
-        down_args.update(pdl)
+        down_args.update(pdl, EARLY=bool(pdl["PDL"]) and config.prefetch and w2_in_place)
     # K, I, k are constexpr: fixed per model, and loop bounds the interpreter (numpy >= 2.4) accepts.
     gate_up[grid(inter, gate_up_args, k_splits)](
         x_in, order, block_expert, block_start, block_end, w13, s13, g13, hidden_rows,

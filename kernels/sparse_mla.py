@@ -884,7 +884,7 @@ def plan_sparse_mla(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx, s
              E_BLOCK_K=triton.next_power_of_2(max(num_extra, 1)),
              INTERPRETED=not q.is_cuda, NUM_STAGES=cfg.num_stages,
              IDX_ASM=cfg.idx_asm, KV_HALVES=cfg.kv_halves,
-             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(q, release=split)),
+             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(q, release=split and partials is None)),
     )
     if not split or partials is not None:
         return [fwd]

@@ -88,6 +88,10 @@ ids = torch.zeros(2, 6, dtype=torch.int32)
 for cls in ("mma_token", "mma"):
     pairs = moe.fp4_moe_pairs_triton(x, ids, torch.ones(2, 6), w13, s13, w2, s2, "mxfp4", None, None, None,
                                      config=moe.DEFAULT_CONFIGS[cls])
+# down codes at a misaligned address: the launcher copies them, and the down kernel then waits first
+odd = torch.zeros(2 * 256 * 64 + 1, dtype=torch.uint8)[1:].view(2, 256, 64)
+moe.fp4_moe_pairs_triton(x, ids, torch.ones(2, 6), w13, s13, odd, s2, "mxfp4", None, None, None,
+                         config=moe.DEFAULT_CONFIGS["mma"])
 moe_pairs.combine_pairs_triton(pairs, ids, 2, torch.bfloat16)
 # the indexer: scoring, then the three selection kernels
 q = torch.zeros(1, 1, 4, 32)
@@ -103,6 +107,8 @@ for fmt, splits in (("bf16", 3), ("bf16", 1), ("fp8", 1)):
 for launch in launches:
     name = launch.kernel.fn.__name__
     mode = launch.meta.get("PDL", launch.meta.get("RELEASE", "none"))
+    if name == "_down_mma_kernel":
+        mode = f"{mode},early={launch.meta['EARLY']}"
     if name == "_score_pages_kernel":  # not compiled: it takes no PDL
         print(name, launch.meta.get("launch_pdl", False), mode, "-", "-", "-", "-")
         continue
@@ -121,7 +127,8 @@ def test_each_kernel_takes_its_pdl_mode_and_compiles_it():
     """Planned as on a GPU with PDL and compiled for sm_90 and sm_120 (no GPU needed):
     - the FP4 MoE's grouping kernel lets the expert kernels launch early without waiting itself (it
       is launched plainly); gate/up, the split sums and the down kernel wait, then let the next launch;
-      the down kernel reads its block table past L1 (ld.global.cg) before its wait; the combine waits;
+      the down kernel reads its block table past L1 (ld.global.cg) before its wait, except on a copy
+      of its weights (misaligned codes here), where it waits first; the combine waits;
     - the indexer's scoring takes no PDL and its three selection kernels wait without letting the
       next launch early (on the H200 an early launch cost 1-10 us there);
     - sparse MLA's tile waits, and lets its combine launch early only when split; the combine
@@ -138,7 +145,8 @@ def test_each_kernel_takes_its_pdl_mode_and_compiles_it():
         ("_gate_up_mma_kernel", "True", "2"): wait_release,
         ("_swiglu_partials_kernel", "True", "2"): wait_release,
         # a wait (and release) on each path: before the hidden rows, or before leaving an empty block
-        ("_down_mma_kernel", "True", "2"): {(cap, "2", "2", "True") for cap in ("90", "120")},
+        ("_down_mma_kernel", "True", "2,early=True"): {(cap, "2", "2", "True") for cap in ("90", "120")},
+        ("_down_mma_kernel", "True", "2,early=False"): wait_release,
         ("_combine_pairs_kernel", "True", "1"): wait_only,
         ("_score_pages_kernel", "False", "none"): {("-", "-", "-", "-")},
         ("_chunk_hist_kernel", "True", "1"): wait_only,
