@@ -53,9 +53,10 @@ def set_pdl(enabled: bool) -> None:
 
 
 def uses_pdl(t: torch.Tensor) -> bool:
-    """True when kernels for tensors on `t`'s device take programmatic dependent launch: a CUDA
-    device of compute capability 9.0 or newer, and PDL not turned off."""
-    return _pdl_wanted and t.is_cuda and torch.cuda.get_device_capability(t.device)[0] >= 9
+    """True when kernels for tensors on `t`'s device take programmatic dependent launch: an NVIDIA
+    GPU of compute capability 9.0 or newer (ROCm's capabilities are AMD's own), and PDL not turned off."""
+    return (_pdl_wanted and t.is_cuda and torch.version.hip is None
+            and torch.cuda.get_device_capability(t.device)[0] >= 9)
 
 
 def pdl_launch(t: torch.Tensor, release: bool) -> dict:

@@ -21,6 +21,7 @@ def test_pdl_launch_options_follow_the_switch(monkeypatch, release, mode):
     """With PDL available the launch takes `launch_pdl` and the kernel its mode; set_pdl(False) (or
     DSV4_PDL=0 at import) turns it off for launches from then on."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.version, "hip", None)
     cuda_like = type("CudaLike", (), {"is_cuda": True, "device": "cuda:0"})()
     try:
         assert _runtime.pdl_launch(cuda_like, release) == {"launch_pdl": True, "PDL": mode}
@@ -28,6 +29,9 @@ def test_pdl_launch_options_follow_the_switch(monkeypatch, release, mode):
         assert _runtime.pdl_launch(cuda_like, release) == {"PDL": _runtime.PDL_OFF}
     finally:
         _runtime.set_pdl(True)
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    assert _runtime.pdl_launch(cuda_like, release) == {"PDL": _runtime.PDL_OFF}  # ROCm: no griddepcontrol
+    monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert _runtime.pdl_launch(cuda_like, release) == {"PDL": _runtime.PDL_OFF}  # sm_80 has no PDL
 
@@ -37,6 +41,7 @@ import torch
 from dsv4_compile.kernels import _runtime
 print("module", _runtime.__file__)
 torch.cuda.get_device_capability = lambda device=None: (9, 0)
+torch.version.hip = None
 cuda_like = type("CudaLike", (), {"is_cuda": True, "device": "cuda:0"})()
 print(_runtime.pdl_launch(cuda_like, True).get("launch_pdl", False))
 """
