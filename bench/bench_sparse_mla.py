@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -238,6 +239,20 @@ def cross_compile(launch, capability: int):
     signature.update({n: "constexpr" for n in meta})
     return triton.compile(ASTSource(fn=launch.kernel, signature=signature, constexprs=meta, attrs=attrs),
                           target=GPUTarget("cuda", capability, 32), options=options)
+
+
+def launch_recorder(kernel, launches: list):
+    """A stand-in for a jit kernel whose `[grid](...)` launches are appended to `launches` instead of
+    run, as objects `cross_compile` takes (kernel, args, meta); runtime arguments passed by keyword
+    join the positional ones. Lets launchers plan on CPU what they would launch on a GPU."""
+    def record(*args, **meta):
+        args = list(args) + [meta.pop(p.name) for p in kernel.params[len(args):] if not p.is_constexpr]
+        launches.append(types.SimpleNamespace(kernel=kernel, args=tuple(args), meta=meta))
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return record
+    return Recorder()
 
 
 def compiled_stats(launch, capability: int) -> dict:

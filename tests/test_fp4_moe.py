@@ -441,21 +441,15 @@ def test_mma_path_scale_limit(code, finite):
 
 
 _MMA_CROSS_COMPILE = """
-import sys, types, dataclasses, torch, triton.language as tl
+import sys, dataclasses, torch, triton.language as tl
 sys.path[:0] = ["bench"]
-from bench_sparse_mla import cross_compile
+from bench_sparse_mla import cross_compile, launch_recorder
 from dsv4_compile.fp4_tiles import tile_fp4
 from dsv4_compile.kernels import fp4_moe as moe
 print("module", moe.__file__)
 launches = []
-def recorder(kernel):
-    class Record:
-        def __getitem__(self, grid):
-            return lambda *args, **meta: launches.append(types.SimpleNamespace(kernel=kernel, args=args, meta=meta))
-    return Record()
-kernels = {name: getattr(moe, name) for name in ("_gate_up_mma_kernel", "_down_mma_kernel")}
-for name, kernel in kernels.items():
-    setattr(moe, name, recorder(kernel))
+for name in ("_gate_up_mma_kernel", "_down_mma_kernel"):
+    setattr(moe, name, launch_recorder(getattr(moe, name), launches))
 # the launches only, planned on CPU: the grouping kernels (Triton, no driver here) give int32 tables
 moe.expert_blocks = lambda ids, experts, block_m: tuple(torch.zeros(n, dtype=torch.int32) for n in (12, 4, 4, 4))
 for fmt in ("mxfp4", "nvfp4"):

@@ -63,27 +63,19 @@ def test_dsv4_pdl_other_values_raise_naming_it(monkeypatch):
 
 
 _PDL_CROSS_COMPILE = """
-import sys, types, torch, triton.language as tl
+import sys, torch, triton.language as tl
 sys.path[:0] = ["bench"]
-from bench_sparse_mla import Case, cross_compile, make_inputs
+from bench_sparse_mla import Case, cross_compile, launch_recorder, make_inputs
 from dsv4_compile.kernels import _runtime, fp4_moe as moe, indexer_topk, moe_pairs, sparse_mla as sm, topk_select
 print("module", _runtime.__file__)
 _runtime.uses_pdl = moe_pairs.uses_pdl = lambda t: True  # plan as on a GPU with PDL
 launches = []
-def recorder(kernel):
-    def record(*args, **meta):  # runtime arguments passed by keyword join the positional ones
-        args = list(args) + [meta.pop(p.name) for p in kernel.params[len(args):] if not p.is_constexpr]
-        launches.append(types.SimpleNamespace(kernel=kernel, args=tuple(args), meta=meta))
-    class Record:
-        def __getitem__(self, grid):
-            return record
-    return Record()
 for module, names in ((moe, ("_gate_up_mma_kernel", "_swiglu_partials_kernel", "_down_mma_kernel")),
                       (moe_pairs, ("_group_pairs_kernel", "_combine_pairs_kernel")),
                       (topk_select, ("_chunk_hist_kernel", "_chunk_split_kernel", "_finish_kernel")),
                       (indexer_topk, ("_score_pages_kernel",))):
     for name in names:
-        setattr(module, name, recorder(getattr(module, name)))
+        setattr(module, name, launch_recorder(getattr(module, name), launches))
 # FP4 MoE, K=256 and I=128: one decode token's class (split gate/up sums, direct blocks), then the
 # 32-row class (the grouping kernel), and the combine
 x = torch.zeros(2, 256, dtype=torch.bfloat16)
