@@ -188,7 +188,8 @@ def make_timer(smoke: bool):
 
 def graph_replay(fn):
     """Capture fn once in a CUDA graph and return the replay callable, which keeps fn (and the tensors
-    it holds, which the graph reads by address) alive."""
+    it holds, which the graph reads by address) alive; `replay.output` is the tensor the graph writes
+    fn's result to."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -196,11 +197,31 @@ def graph_replay(fn):
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        output = fn()
 
     def replay(captured=fn):
         graph.replay()
+    replay.output = output
     return replay
+
+
+REPLAY_CHECKS = 20
+
+
+def replays_changed(replay, times: int = REPLAY_CHECKS) -> int:
+    """How many of `times` further runs of `replay` (a callable with an `output` tensor, as graph_replay
+    gives) write an output that differs bit for bit from its first run's, the output poisoned (all bits
+    set) before each run: a race between an op's kernels would show here."""
+    out = replay.output.view(torch.uint8)
+    out.fill_(0xFF)
+    replay()
+    first = out.clone()
+    changed = 0
+    for _ in range(times):
+        out.fill_(0xFF)
+        replay()
+        changed += int(not torch.equal(out, first))
+    return changed
 
 
 def paired_times(fns: dict, rounds: int, flush_l2: bool = True) -> dict[str, list[float]]:
@@ -335,10 +356,10 @@ def _dot(block_m, block_n, block_k, warps, stages):
 
 
 def _mma(block_m, block_n, block_k, warps, stages, prefetch=False, down=(0, 0), asm=False, caps=(0, 0), splits=1,
-         direct=False):
+         direct=False, ready=False):
     return moe.TileConfig("mma", block_m, block_n, block_k, num_warps=warps, num_stages=stages, prefetch=prefetch,
                           down_block_n=down[0], down_num_warps=down[1], scale_asm=asm, max_regs=caps[0],
-                          down_max_regs=caps[1], k_splits=splits, direct_blocks=direct)
+                          down_max_regs=caps[1], k_splits=splits, direct_blocks=direct, ready_counts=ready)
 
 
 # Candidates per M at V4-Flash sizes (E=256, k=6); the table marks the default (`choose_config`). M=1
@@ -346,10 +367,12 @@ def _mma(block_m, block_n, block_k, warps, stages, prefetch=False, down=(0, 0), 
 # tensor-core path (fp4_moe's MMA path comment), all on one warp and without cp.async (every
 # pipelined variant lost in the third to fifth sessions' sweeps): with prefetch=True two K steps a
 # turn, each loaded a step ahead into registers (BLOCK_K 64 or 128, fewer weight rows for fewer
-# registers), beside the plain loop with 256-column steps (the verify default). 62 (config, M,
-# format) rows: some 2 minutes on the H200 with compiles. `down` gives the down kernel output columns and
-# warps of its own: in the eleventh session's B=64 step, gate/up on 16 rows and down on 64 rows and 2 warps
-# took 126 us less kernel time a step (its step time did not follow; bench/RESULTS.md). `asm`: the scale
+# registers), beside the plain loop with 256-column steps (the verify default). 72 (config, M,
+# format) rows: some 2-3 minutes on the H200 with compiles. `ready`: the down kernel's per-block
+# ready counts instead of its wait for the whole gate/up grid (TileConfig.ready_counts; not yet
+# timed). `down` gives the down kernel output columns and warps of its own: in the eleventh session's
+# B=64 step, gate/up on 16 rows and down on 64 rows and 2 warps took 126 us less kernel time a step
+# (its step time did not follow; bench/RESULTS.md). `asm`: the scale
 # words by inline-asm loads (TileConfig.scale_asm; the default at 32 rows). `caps`: register caps of
 # gate/up and down (TileConfig.max_regs / down_max_regs; 160 / none the default at 32 rows). Sweeps
 # before the thirteenth session timed each candidate in its own block of replays, which favoured
@@ -363,7 +386,8 @@ _TOKEN = [_mma(8, 16, 128, 1, 1, True, splits=2), _mma(8, 16, 128, 1, 1, True), 
           _mma(8, 16, 128, 1, 1, True, splits=4, direct=True), _mma(8, 16, 256, 1, 1, True, splits=2, direct=True)]
 _SMALL = [_mma(8, 16, 128, 1, 1, True, down=(128, 4)), _mma(8, 16, 128, 1, 1, True, down=(128, 4), splits=2),
           _mma(8, 16, 128, 1, 1, True, down=(128, 4), direct=True),
-          _mma(8, 16, 128, 1, 1, True, down=(128, 4), splits=2, direct=True)]
+          _mma(8, 16, 128, 1, 1, True, down=(128, 4), splits=2, direct=True),
+          _mma(8, 16, 128, 1, 1, True, down=(128, 4), ready=True)]
 SWEEP_CANDIDATES = {
     1: _TOKEN,
     8: _SMALL,
@@ -372,13 +396,15 @@ SWEEP_CANDIDATES = {
          _mma(8, 32, 128, 1, 1, True), _mma(8, 32, 64, 1, 1, True),
          _mma(8, 16, 128, 1, 1, True),
          _mma(8, 64, 64, 1, 1, True), _mma(8, 64, 128, 2, 1, True), _mma(8, 32, 256, 1, 1),
-         _mma(8, 16, 128, 1, 1, True, down=(64, 2)), _mma(8, 32, 128, 1, 1, True, down=(64, 2))],
+         _mma(8, 16, 128, 1, 1, True, down=(64, 2)), _mma(8, 32, 128, 1, 1, True, down=(64, 2)),
+         _mma(8, 16, 128, 1, 1, True, down=(128, 4)), _mma(8, 16, 128, 1, 1, True, down=(128, 4), ready=True)],
     256: [_mma(8, 32, 256, 1, 1), _mma(8, 32, 128, 1, 1, True, asm=True, caps=(160, 112)),
           _mma(8, 32, 128, 1, 1, True, asm=True), _mma(8, 32, 128, 1, 1, True),
           _mma(8, 32, 64, 1, 1, True),
           _mma(8, 16, 128, 1, 1, True), _mma(8, 32, 128, 1, 1, True, down=(128, 4)),
           _mma(8, 32, 128, 1, 1, True, down=(128, 4), asm=True, caps=(160, 0)),
-          _mma(8, 16, 128, 1, 1, True, down=(128, 4))],
+          _mma(8, 16, 128, 1, 1, True, down=(128, 4)), _mma(8, 16, 128, 1, 1, True, down=(128, 4), ready=True),
+          _mma(8, 32, 128, 1, 1, True, down=(128, 4), asm=True, caps=(160, 0), ready=True)],
 }
 
 
@@ -419,8 +445,14 @@ def sweep_case(fmt, tokens, cfg, w, rounds, device, gen, candidates) -> list[dic
             continue
         row["max_err_rel"] = err
         row["correct"] = bool(err < 3e-2)  # as run_case: bf16 x, hidden and output
-        if row["correct"]:
-            fns[index] = graph_replay(run) if device == "cuda" else run
+        if row["correct"] and device == "cuda":
+            replay = graph_replay(run)
+            row["replays_changed"] = replays_changed(replay)
+            row["correct"] = row["replays_changed"] == 0
+            if row["correct"]:
+                fns[index] = replay
+        elif row["correct"]:
+            fns[index] = run
         new = _compiled_keys() - before
         row["shared"] = [s["shared"] for s in shared_memory_records()
                          if (s["kernel"], s["full_key"]) in new]
@@ -448,9 +480,10 @@ def _down_cell(config: dict) -> str:
 
 
 def _splits_cell(config: dict) -> str:
-    """gate/up's K splits where the config splits, and 'direct' for one block a pair (no grouping kernels)."""
+    """gate/up's K splits where the config splits, 'direct' for one block a pair (no grouping kernels),
+    'ready' for the down kernel's per-block ready counts."""
     cells = ([str(config["k_splits"])] if config["k_splits"] > 1 else []) + (["direct"] if config["direct_blocks"] else [])
-    return ", ".join(cells)
+    return ", ".join(cells + (["ready"] if config["ready_counts"] else []))
 
 
 def _caps_cell(config: dict) -> str:
@@ -463,12 +496,14 @@ def sweep_markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"# fp4_moe tile sweep ({meta['date']}, torch {meta['torch']}, triton {meta['triton']}, {meta['device']})",
              "", f"command: `{meta['command']}`", "",
              "| fmt | M | path | BM | BN | BK | warps | stages | prefetch | down BN x warps | asm scales "
-             "| register caps | K splits, blocks | default | ok (rel err) | graph ms | paired vs reference ms (quartiles) "
-             "| HBM frac | shared B |",
+             "| register caps | K splits, blocks, ready counts | default | ok (rel err) | graph ms "
+             "| paired vs reference ms (quartiles) | HBM frac | shared B |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         c = r["config"]
         ok = f"{r['correct']} ({r['max_err_rel']:.1e})" if "max_err_rel" in r else f"False ({r.get('error', '')[:60]})"
+        if r.get("replays_changed"):
+            ok += f", {r['replays_changed']} of {REPLAY_CHECKS} replays changed"
         ms = f"{r['ms']:.4f}" if "ms" in r else "-"
         paired = "-"
         if "paired_ms" in r:
@@ -481,10 +516,12 @@ def sweep_markdown(rows: list[dict], meta: dict) -> str:
                      f"| {_down_cell(c)} | {'yes' if c['scale_asm'] else ''} | {_caps_cell(c)} | {_splits_cell(c)} "
                      f"| {'*' if r['default'] else ''} | {ok} "
                      f"| {ms} | {paired} | {frac} | {shared} |")
-    lines += ["", "graph ms: median of the paired rounds; paired: the median (and quartiles) of the round-by-round "
-              "differences against the reference row (the default where it is a candidate). HBM frac: touched "
-              "experts' bytes / 4.8 TB/s over the graph ms. 'cached': the kernels were compiled by an earlier row. "
-              "Shared memory must stay <= 101376 B."]
+    lines += ["", f"ok: within the tolerance of the reference and, on a GPU, every one of {REPLAY_CHECKS} further "
+              "graph replays bit-equal to the first (outputs poisoned before each); graph ms: median of the paired "
+              "rounds; paired: the median (and quartiles) of the round-by-round differences against the "
+              "reference row (the default where it is a candidate). HBM frac: touched experts' bytes / 4.8 TB/s "
+              "over the graph ms. 'cached': the kernels were compiled by an earlier row. Shared memory must stay "
+              "<= 101376 B."]
     return "\n".join(lines)
 
 

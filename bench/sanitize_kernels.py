@@ -13,7 +13,7 @@ these sizes. Prints one line per case and exits non-zero on a mismatch.
 from __future__ import annotations
 
 import argparse
-
+import dataclasses
 import math
 import sys
 import time
@@ -147,10 +147,13 @@ FORCED_CONFIGS = {
     # one block a pair, read from the ids (-1 ids, and at M=64 every pair on one expert)
     "mma_direct": fp4_moe.TileConfig("mma", 8, 16, 128, num_warps=1, num_stages=1, prefetch=True, k_splits=2,
                                      direct_blocks=True),
+    # the 32-row class's down kernel waiting on per-block ready counts instead of the whole gate/up grid
+    "mma_ready": dataclasses.replace(fp4_moe.DEFAULT_CONFIGS["mma"], ready_counts=True),
 }
 # On the tiled experts optimize() gives the model (dsv4_compile.fp4_tiles): the default launch and one
 # config of each path (the dot path's prefill tile among them), whose loads all address tiles.
-TILED_FORCED = ("prefetch", "mma_prefetch", "mma_down_shape", "mma_scale_asm", "mma_split", "mma_direct", "dot64")
+TILED_FORCED = ("prefetch", "mma_prefetch", "mma_down_shape", "mma_scale_asm", "mma_split", "mma_direct", "mma_ready",
+                "dot64")
 
 
 def fp4_moe_cases(gen: torch.Generator) -> None:

@@ -6,13 +6,21 @@ PDL (sm_90 and newer): a kernel launched with `launch_pdl` may start its program
 kernel before it has finished; it calls `wait_for_producers` before it writes and before it reads
 anything an earlier kernel wrote. (One exception: the FP4 MoE's down kernel reads its block table
 and first weights before its wait; its docstring says why that is safe.) A kernel lets its own
-dependents launch only after its wait, or, launched plainly, at its start. When it does
-(`gdc_launch_dependents`), they take SM slots as its last programs finish. On the H200 that paid
+dependents launch only after its wait (or its ready count, below), or, launched plainly, at its
+start. When it does (`gdc_launch_dependents`), they take SM slots as its last programs finish. On the H200 that paid
 off before a kernel that reads static data ahead of its wait (the FP4 MoE's down projection reads
 its first weights) or before a small grid (the split-K combine), and cost 1-10 us before a grid
 whose programs need an even spread over the SMs (the indexer's selection, the sparse MLA tile
 after staging; bench/RESULTS.md, twenty-seventh session): those kernels' predecessors do not let
 them launch early, and they only save the launch latency.
+
+Ready counts refine the wait where a consumer program needs only some of the producer's programs:
+each producer program adds 1 to its count once its stores are issued (`count_done`, a release at GPU
+scope), and a consumer program spins until its count is complete (`await_count`, an acquire) instead
+of waiting for the whole producer grid. A consumer launched early with PDL starts only once every
+producer program has passed its own wait, so every program it spins on is already resident: the spin
+cannot starve them of SM slots. The consumer still waits for the producer grid before it ends, so
+that kernels after it may rely on both having finished.
 """
 import os
 
@@ -76,6 +84,44 @@ def wait_for_producers(PDL: tl.constexpr):
         gdc_wait()
         if PDL == _WAIT_RELEASE:
             gdc_launch_dependents()
+
+
+@triton.jit
+def wait_without_release(PDL: tl.constexpr):
+    """The wait of `wait_for_producers` alone (PDL_WAIT or PDL_WAIT_RELEASE)."""
+    if PDL != _OFF:
+        gdc_wait()
+
+
+@triton.jit
+def release_in_mode(PDL: tl.constexpr):
+    """The release of `wait_for_producers` alone (PDL_WAIT_RELEASE), for a kernel that waits later."""
+    if PDL == _WAIT_RELEASE:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def count_done(count_ptr):
+    """Adds 1 to the int32 at count_ptr once every thread of the program has issued its stores
+    (barrier, then thread 0's release at GPU scope): a program that sees the count sees the stores."""
+    tl.debug_barrier()
+    tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def await_count(count_ptr, TARGET: tl.constexpr, COMPILED: tl.constexpr):
+    """Spins until the int32 at count_ptr reaches TARGET (`count_done`'s acquire side; Triton turns
+    the add of 0 into an acquire load and hands its result to every thread through a barrier).
+    Returns whether the count equals TARGET. The interpreter runs grids one after another, so there
+    the count is read once, complete unless the producers counted wrong: the caller can then make its
+    output show it (the interpreter ignores tl.device_assert)."""
+    seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
+    if COMPILED:
+        while seen < TARGET:
+            tl.inline_asm_elementwise("nanosleep.u32 100; mov.u32 $0, 0;", "=r,r", [seen], dtype=tl.int32,
+                                      is_pure=False, pack=1)
+            seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
+    return seen == TARGET
 
 
 @triton.jit

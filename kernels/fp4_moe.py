@@ -45,7 +45,8 @@ import triton.language as tl
 from dsv4_compile.fp4 import dequantize_mxfp4, dequantize_nvfp4
 from dsv4_compile.fp4_tiles import TILE_COLS, TILE_ROWS, is_tiled, logical_shape, untile_fp4
 
-from ._runtime import MAX_GRID_Y, pdl_launch, triton_runs_on, wait_for_producers
+from ._runtime import (MAX_GRID_Y, await_count, count_done, pdl_launch, release_in_mode, triton_runs_on,
+                       wait_for_producers, wait_without_release)
 from .moe_pairs import block_bound, combine_pairs_triton, expert_blocks
 
 logger = logging.getLogger("dsv4_compile")
@@ -818,20 +819,23 @@ def _mma_decode_weights(words, s_words, k0, zero,
 
 
 @triton.jit
-def _mma_load_act(a_ptr, a_rows, row_mask, k0, stride_a, BLOCK_K: tl.constexpr, PACKED: tl.constexpr):
+def _mma_load_act(a_ptr, a_rows, row_mask, k0, stride_a, BLOCK_K: tl.constexpr, PACKED: tl.constexpr,
+                  FROM_L2: tl.constexpr = False):
     """Activation rows `a_rows` [BLOCK_M] (zeros where not row_mask) x columns [k0, k0 + BLOCK_K) of a
     row-major matrix, as the threads hold them: [quad lane q, row, word u, 8 values] with column
     k0 + 8 (q U + u) + v, U = BLOCK_K / 32. The 8 values of a word are one 16-byte vector and Triton's
     coalescer gives the quad lanes and rows to the lanes as the MMA operand layout does, so each thread
     loads exactly the activations its own weight words meet. PACKED: a_ptr is a bf16 matrix seen as
-    int32 (two values a word, stride_a in words), returned as [q, row, u, 4] words (`_mma_act_operand`)."""
+    int32 (two values a word, stride_a in words), returned as [q, row, u, 4] words (`_mma_act_operand`).
+    FROM_L2: the loads skip L1 (.cg)."""
     U: tl.constexpr = BLOCK_K // 32
     V: tl.constexpr = 4 if PACKED else 8
     q = tl.arange(0, 4)[:, None, None, None]
     u = tl.arange(0, U)[None, None, :, None]
     v = tl.arange(0, V)[None, None, None, :]
     offs = a_rows[None, :, None, None].to(tl.int64) * stride_a + ((k0 * V) // 8 + V * (q * U + u) + v)
-    return tl.load(a_ptr + offs, mask=row_mask[None, :, None, None], other=0)
+    CACHE: tl.constexpr = ".cg" if FROM_L2 else ""
+    return tl.load(a_ptr + offs, mask=row_mask[None, :, None, None], other=0, cache_modifier=CACHE)
 
 
 @triton.jit
@@ -913,7 +917,7 @@ def _gate_up_mma_kernel(
     E,
     stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h,
     LIMIT,
-    part_ptr, stride_ps, stride_pr,
+    part_ptr, stride_ps, stride_pr, ready_ptr,
     K: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
     HAS_LIMIT: tl.constexpr, IS_MX: tl.constexpr, GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -924,11 +928,14 @@ def _gate_up_mma_kernel(
     K_SPLITS: tl.constexpr,
     DIRECT: tl.constexpr,
     PDL: tl.constexpr,
+    COUNT_READY: tl.constexpr,
 ):
     """x [M, K] (int32 pairs where PACKED), w13 / scales as int32 words -> hidden [M*k, I] (rows in
     sorted-pair order, or pair order with DIRECT). With K_SPLITS > 1, program_id(2) sums K / K_SPLITS
     of the reduction and stores its gate and up sums, f32, at part[split, row, :I] and [I:]
-    (`_swiglu_partials_kernel` finishes them)."""
+    (`_swiglu_partials_kernel` finishes them). COUNT_READY: each program adds 1 to ready[block] once
+    its hidden rows are stored (the down kernel's ready counts)."""
+    tl.static_assert(not COUNT_READY or K_SPLITS == 1, "ready counts need whole gate/up sums (K_SPLITS == 1)")
     wait_for_producers(PDL)
     expert, rows, row_mask = _block_rows(tl.program_id(1), block_expert_ptr, block_start_ptr, block_end_ptr,
                                          BLOCK_M, DIRECT)
@@ -983,6 +990,8 @@ def _gate_up_mma_kernel(
         act = _swiglu(gate, up, LIMIT, HAS_LIMIT)
         tl.store(hidden_ptr + rows[None, :] * stride_h + cols[:, None], act.to(hidden_ptr.dtype.element_ty),
                  mask=out_mask)
+        if COUNT_READY:
+            count_done(ready_ptr + tl.program_id(1))
     else:
         part = part_ptr + tl.program_id(2) * stride_ps + rows[None, :].to(tl.int64) * stride_pr + cols[:, None]
         tl.store(part, gate, mask=out_mask)
@@ -1019,9 +1028,11 @@ def _swiglu_partials_kernel(
 @triton.jit
 def _down_mma_loads(h_ptr, rows, row_mask, w_base, s_base, col0, k0, live, stride_h, stride_wn, stride_sn,
                     K: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    NUM_WARPS: tl.constexpr, PACKED: tl.constexpr, TILED: tl.constexpr, SCALE_ASM: tl.constexpr):
-    """One K step's hidden rows, w2 words and scale words (zeros where not `live`)."""
-    h_raw = _mma_load_act(h_ptr, rows, row_mask & live, k0, stride_h, BLOCK_K, PACKED)
+                    NUM_WARPS: tl.constexpr, PACKED: tl.constexpr, TILED: tl.constexpr, SCALE_ASM: tl.constexpr,
+                    H_FROM_L2: tl.constexpr = False):
+    """One K step's hidden rows (past L1 with H_FROM_L2), w2 words and scale words (zeros where not
+    `live`)."""
+    h_raw = _mma_load_act(h_ptr, rows, row_mask & live, k0, stride_h, BLOCK_K, PACKED, H_FROM_L2)
     words, scales = _mma_load_weights(w_base, s_base, col0, tl.where(live, K, 0), k0, stride_wn, stride_sn,
                                       GROUP, BLOCK_N, BLOCK_K, NUM_WARPS, TILED, SCALE_ASM)
     return h_raw, words, scales
@@ -1042,7 +1053,7 @@ def _down_mma_kernel(
     hidden_ptr, order_ptr, block_expert_ptr, block_start_ptr, block_end_ptr, weights_ptr,
     w2_ptr, s2_ptr, g2_ptr, pair_out_ptr,
     E,
-    stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_o,
+    stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_o, ready_ptr,
     K: tl.constexpr, I: tl.constexpr, IS_MX: tl.constexpr, GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_WARPS: tl.constexpr, KPACK: tl.constexpr, PREFETCH: tl.constexpr, PACKED: tl.constexpr,
@@ -1052,6 +1063,7 @@ def _down_mma_kernel(
     DIRECT: tl.constexpr,
     PDL: tl.constexpr,
     EARLY: tl.constexpr,
+    READY: tl.constexpr,
 ):
     """hidden [M*k, I] (int32 pairs where PACKED), w2 / scales as int32 words -> weighted pair
     outputs [M*k, K] f32 (blocks as in `_block_rows`).
@@ -1061,13 +1073,22 @@ def _down_mma_kernel(
     the kernel before (gate/up, or the split sums) has passed its own wait, so the kernels that wrote
     the block table or the ids have finished: those are read from L2, past L1 (FROM_L2). The model's
     weights are not written while a step runs; a copy the launcher made of them (padded scale rows,
-    misaligned codes) would be new data at a possibly reused address, so it turns EARLY off."""
-    if not EARLY:
+    misaligned codes) would be new data at a possibly reused address, so it turns EARLY off.
+
+    READY (with PREFETCH; gate/up's programs a block, 0 = off): a program waits for its own block's
+    hidden rows only, ready[block] reaching READY (gate/up's COUNT_READY), not for the whole gate/up
+    grid, and reads them from L2; it then lets the next kernel launch, and waits for gate/up's end only
+    before its store, so that this kernel still ends after its producers. Under the interpreter a
+    block whose count is not READY writes NaN outputs."""
+    tl.static_assert(READY == 0 or PREFETCH, "ready counts are awaited in the PREFETCH loop's preamble")
+    AHEAD: tl.constexpr = EARLY or READY > 0
+    H_FROM_L2: tl.constexpr = READY > 0
+    if not AHEAD:
         wait_for_producers(PDL)
     expert, rows, row_mask = _block_rows(tl.program_id(1), block_expert_ptr, block_start_ptr, block_end_ptr,
-                                         BLOCK_M, DIRECT, EARLY)
+                                         BLOCK_M, DIRECT, AHEAD)
     if (expert < 0) | (expert >= E):
-        if EARLY:  # the wait keeps this kernel's end after its producers' (kernels after it rely on that)
+        if AHEAD:  # the wait keeps this kernel's end after its producers' (kernels after it rely on that)
             wait_for_producers(PDL)
         return
     col0 = tl.program_id(0) * BLOCK_N
@@ -1075,11 +1096,15 @@ def _down_mma_kernel(
     s_base = s2_ptr + expert.to(tl.int64) * stride_se
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if PREFETCH:  # as in _gate_up_mma_kernel
-        if EARLY:
+        if AHEAD:
             wa, sa = _mma_load_weights(w_base, s_base, col0, K, 0, stride_wn, stride_sn,
                                        GROUP, BLOCK_N, BLOCK_K, NUM_WARPS, TILED, SCALE_ASM)
-            wait_for_producers(PDL)
-            ha = _mma_load_act(hidden_ptr, rows, row_mask, 0, stride_h, BLOCK_K, PACKED)
+            if READY > 0:
+                complete = await_count(ready_ptr + tl.program_id(1), READY, COMPILED)
+                release_in_mode(PDL)
+            else:
+                wait_for_producers(PDL)
+            ha = _mma_load_act(hidden_ptr, rows, row_mask, 0, stride_h, BLOCK_K, PACKED, H_FROM_L2)
         else:
             ha, wa, sa = _down_mma_loads(hidden_ptr, rows, row_mask, w_base, s_base, col0, 0, True, stride_h,
                                          stride_wn, stride_sn, K, GROUP, BLOCK_N, BLOCK_K, NUM_WARPS, PACKED, TILED,
@@ -1087,13 +1112,13 @@ def _down_mma_kernel(
         for k0 in range(0, I, 2 * BLOCK_K):
             hb, wb, sb = _down_mma_loads(hidden_ptr, rows, row_mask, w_base, s_base, col0, k0 + BLOCK_K,
                                          k0 + BLOCK_K < I, stride_h, stride_wn, stride_sn, K, GROUP, BLOCK_N, BLOCK_K,
-                                         NUM_WARPS, PACKED, TILED, SCALE_ASM)
+                                         NUM_WARPS, PACKED, TILED, SCALE_ASM, H_FROM_L2)
             zero = _cta_zero(COMPILED)
             acc = _down_mma_step(acc, ha, wa, sa, k0, zero, IS_MX, GROUP, DOT_DTYPE, BLOCK_M, BLOCK_N, BLOCK_K,
                                  NUM_WARPS, KPACK, PACKED, TILED)
             ha, wa, sa = _down_mma_loads(hidden_ptr, rows, row_mask, w_base, s_base, col0, k0 + 2 * BLOCK_K,
                                          k0 + 2 * BLOCK_K < I, stride_h, stride_wn, stride_sn, K, GROUP, BLOCK_N,
-                                         BLOCK_K, NUM_WARPS, PACKED, TILED, SCALE_ASM)
+                                         BLOCK_K, NUM_WARPS, PACKED, TILED, SCALE_ASM, H_FROM_L2)
             zero = _cta_zero(COMPILED)
             acc = _down_mma_step(acc, hb, wb, sb, k0 + BLOCK_K, zero, IS_MX, GROUP, DOT_DTYPE, BLOCK_M, BLOCK_N,
                                  BLOCK_K, NUM_WARPS, KPACK, PACKED, TILED)
@@ -1107,9 +1132,13 @@ def _down_mma_kernel(
     routing = tl.load(weights_ptr + pair, mask=row_mask, other=0.0) * 2.0**64
     if not IS_MX:
         routing = routing * tl.load(g2_ptr + expert)
+    if READY > 0 and not COMPILED:
+        routing = tl.where(complete, routing, float("nan"))
     acc = acc * routing[None, :]
     cols = col0 + tl.arange(0, BLOCK_N)
     out_mask = (cols < K)[:, None] & row_mask[None, :]
+    if READY > 0:
+        wait_without_release(PDL)
     tl.store(pair_out_ptr + pair[None, :].to(tl.int64) * stride_o + cols[:, None], acc, mask=out_mask)
 
 
@@ -1139,7 +1168,12 @@ class TileConfig:
     K reduction (split-K; their f32 sums are finished by `_swiglu_partials_kernel`), lowered where K has
     fewer BLOCK_K steps (`_fit_splits`). direct_blocks (mma path): one expert block a (token, choice) pair,
     in pair order, read from the ids themselves, without `expert_blocks`' grouping kernels (for a decode
-    token's choices, which are distinct experts: an expert chosen twice is read twice).
+    token's choices, which are distinct experts: an expert chosen twice is read twice). ready_counts
+    (mma path with prefetch, expert blocks, no split-K): each down program waits for its own block's
+    gate/up programs (ready counts, `_down_mma_kernel`'s READY) instead of the whole gate/up grid;
+    taken where the down kernel launches early (EARLY) and under the interpreter, where a wrong count
+    shows as NaN outputs. Not yet a default: it has not been timed on a GPU (bench/RESULTS.md,
+    twenty-eighth session).
     """
 
     path: str
@@ -1156,6 +1190,7 @@ class TileConfig:
     down_max_regs: int = 0
     k_splits: int = 1
     direct_blocks: bool = False
+    ready_counts: bool = False
 
     def __post_init__(self):
         if self.path not in ("gemv", "dot", "mma"):
@@ -1193,6 +1228,10 @@ class TileConfig:
                              f"got {self.k_splits} for path {self.path!r}")
         if self.direct_blocks and self.path != "mma":
             raise ValueError(f"TileConfig.direct_blocks applies to the mma path, got path {self.path!r}")
+        if self.ready_counts and not (self.path == "mma" and self.prefetch and not self.direct_blocks
+                                      and self.k_splits == 1):
+            raise ValueError("TileConfig.ready_counts applies to the mma path with prefetch, expert blocks "
+                             "(not direct_blocks) and k_splits=1")
         if self.prefetch and not (self.path == "gemv" or (self.path == "mma" and self.num_stages == 1)):
             raise ValueError("TileConfig.prefetch applies to the gemv path and to the mma path with num_stages=1 "
                              "(the others pipeline with num_stages)")
@@ -1393,10 +1432,17 @@ def fp4_moe_pairs_triton(
         raise ValueError(f"fp4_moe: config {config} would put {blocks_bound} expert blocks on the grid's second "
                          f"axis (at most {MAX_GRID_Y}); use a dot or gemv config for M*k = {pairs} pairs")
     x = x.contiguous()
+    pdl = pdl_launch(x, release=True)  # the mma kernels (and the split sums) follow each other
+    # the down kernel's ready counts, zeroed by the grouping: where it launches early (PDL; it then also
+    # needs weights read in place, known below) and under the interpreter (one grid after another)
+    wants_counts = config.ready_counts and (bool(pdl["PDL"]) or interpreted)
+    ready = torch.empty(blocks_bound, dtype=torch.int32, device=x.device) if wants_counts else None
     if config.direct_blocks:  # one block a pair: the kernels read the ids and need no table
         order = block_expert = block_start = block_end = topk_ids.reshape(-1).contiguous()
     else:
-        order, block_expert, block_start, block_end = expert_blocks(topk_ids, experts, config.block_m)
+        order, block_expert, block_start, block_end = expert_blocks(topk_ids, experts, config.block_m, ready)
+    if ready is None:
+        ready = block_expert  # a stand-in pointer, never read
     # The GEMV path keeps its activations in f32: converting bf16 in the K loop costs two
     # instructions per value per thread, comparable to decoding the weights it meets.
     hidden_dtype = torch.float32 if (dot_dtype == tl.float32 or config.path == "gemv") else x.dtype
@@ -1439,9 +1485,9 @@ def fp4_moe_pairs_triton(
         part = (torch.empty(k_splits, pairs, 2 * inter, dtype=torch.float32, device=x.device) if k_splits > 1
                 else hidden_rows)
         gate_up_extra = dict(PACKED=x_packed, K_SPLITS=k_splits, part_ptr=part, stride_ps=part.stride(0),
-                             stride_pr=part.stride(1))
+                             stride_pr=part.stride(1), ready_ptr=ready)
         down_extra = dict(PACKED=h_packed, BLOCK_N=down_n, NUM_WARPS=down_warps, num_warps=down_warps,
-                          KPACK=_mma_kpack(x, config.block_m, down_n, down_warps))
+                          KPACK=_mma_kpack(x, config.block_m, down_n, down_warps), ready_ptr=ready)
     else:
         gate_up, down = _gate_up_kernel, _down_kernel
         common.update(USE_DOT_SCALED=use_dot_scaled, DOT_DTYPE=dot_dtype)
@@ -1460,10 +1506,11 @@ def fp4_moe_pairs_triton(
         return (tiles, num_blocks, splits) if config.path == "mma" else (num_blocks, tiles)
 
     limit = float(swiglu_limit) if swiglu_limit is not None else 0.0
-    pdl = pdl_launch(x, release=True)  # the mma kernels (and the split sums) follow each other
     if config.path == "mma":
-        gate_up_args.update(pdl)
-        down_args.update(pdl, EARLY=bool(pdl["PDL"]) and config.prefetch and w2_in_place)
+        early = bool(pdl["PDL"]) and config.prefetch and w2_in_place
+        counted = wants_counts and (early if pdl["PDL"] else interpreted)
+        gate_up_args.update(pdl, COUNT_READY=counted)
+        down_args.update(pdl, EARLY=early, READY=triton.cdiv(inter, gate_up_args["BLOCK_N"]) if counted else 0)
     # K, I, k are constexpr: fixed per model, and loop bounds the interpreter (numpy >= 2.4) accepts.
     gate_up[grid(inter, gate_up_args, k_splits)](
         x_in, order, block_expert, block_start, block_end, w13, s13, g13, hidden_rows,

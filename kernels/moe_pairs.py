@@ -74,10 +74,11 @@ def _place_pairs_kernel(ids_ptr, counts_ptr, rank_ptr, order_ptr, block_expert_p
 
 @triton.jit
 def _group_pairs_kernel(ids_ptr, scratch_ptr, order_ptr, block_expert_ptr, block_start_ptr, block_end_ptr,
-                        P, NB, E, BLOCK_M: tl.constexpr, P_PAD: tl.constexpr, E_PAD: tl.constexpr,
-                        NB_CHUNK: tl.constexpr, RELEASE: tl.constexpr):
+                        ready_ptr, P, NB, E, BLOCK_M: tl.constexpr, P_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                        NB_CHUNK: tl.constexpr, RELEASE: tl.constexpr, HAS_READY: tl.constexpr):
     """expert_blocks in one program: counts by histogram, ranks by atomics on a scratch the program
-    zeroes itself, each expert's first row through the scratch, blocks scattered per expert."""
+    zeroes itself, each expert's first row through the scratch, blocks scattered per expert; with
+    HAS_READY, ready [NB] zeroed too."""
     release_dependents(RELEASE)  # the expert kernels' programs may take their SM slots meanwhile
     e = tl.arange(0, E_PAD)
     tl.store(scratch_ptr + e, 0)
@@ -114,6 +115,12 @@ def _group_pairs_kernel(ids_ptr, scratch_ptr, order_ptr, block_expert_ptr, block
         tl.store(block_start_ptr + blk, tl.zeros([NB_CHUNK], tl.int32), mask=spare)
         tl.store(block_end_ptr + blk, tl.zeros([NB_CHUNK], tl.int32), mask=spare)
         b0 += NB_CHUNK
+    if HAS_READY:
+        b0 = 0
+        while b0 < NB:
+            blk = b0 + tl.arange(0, NB_CHUNK)
+            tl.store(ready_ptr + blk, tl.zeros([NB_CHUNK], tl.int32), mask=blk < NB)
+            b0 += NB_CHUNK
 
 
 def block_bound(pairs: int, experts: int, block_m: int) -> int:
@@ -125,8 +132,8 @@ def block_bound(pairs: int, experts: int, block_m: int) -> int:
     return busy + (pairs - busy) // block_m
 
 
-def expert_blocks(topk_ids: torch.Tensor, experts: int,
-                  block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def expert_blocks(topk_ids: torch.Tensor, experts: int, block_m: int,
+                  ready: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group the (token, choice) pairs by expert into blocks of `block_m` rows, on device, without host
     syncs or a sort.
 
@@ -134,7 +141,8 @@ def expert_blocks(topk_ids: torch.Tensor, experts: int,
     order, in no particular order within an expert (see above),
     block_expert / block_start / block_end [NB] int32: each block's expert (E = empty block, its start
     and end 0) and its row range in `order`), NB = block_bound(M*k, E, block_m). Ids outside
-    [0, E) are grouped past every expert and never read.
+    [0, E) are grouped past every expert and never read. `ready` [NB] int32, if given, is zeroed on the
+    device before the table is used (the expert kernels' ready counts, kernels/fp4_moe.py).
     """
     ids = topk_ids.reshape(-1).contiguous()
     pairs = ids.numel()
@@ -143,16 +151,22 @@ def expert_blocks(topk_ids: torch.Tensor, experts: int,
     order = torch.empty(pairs, dtype=torch.int32, device=device)
     block_expert, block_start, block_end = (torch.empty(num_blocks, dtype=torch.int32, device=device)
                                             for _ in range(3))
+    if ready is not None and (ready.shape != (num_blocks,) or ready.dtype != torch.int32):
+        raise ValueError(f"expert_blocks: ready must be an int32 tensor of shape ({num_blocks},), "
+                         f"got {ready.dtype} {tuple(ready.shape)}")
     if pairs == 0:
         return order, block_expert, block_start, block_end
     if pairs <= ONE_PROGRAM_PAIRS:
         e_pad = triton.next_power_of_2(experts + 1)
         scratch = torch.empty(2 * e_pad, dtype=torch.int32, device=device)
-        _group_pairs_kernel[(1,)](ids, scratch, order, block_expert, block_start, block_end, pairs, num_blocks,
+        _group_pairs_kernel[(1,)](ids, scratch, order, block_expert, block_start, block_end,
+                                  order if ready is None else ready, pairs, num_blocks,
                                   experts, BLOCK_M=block_m, P_PAD=triton.next_power_of_2(pairs), E_PAD=e_pad,
                                   NB_CHUNK=min(1024, triton.next_power_of_2(max(num_blocks, 1))),
-                                  RELEASE=uses_pdl(ids), num_warps=ONE_PROGRAM_WARPS)
+                                  RELEASE=uses_pdl(ids), HAS_READY=ready is not None, num_warps=ONE_PROGRAM_WARPS)
         return order, block_expert, block_start, block_end
+    if ready is not None:
+        ready.zero_()
     counts = torch.zeros(experts + 1, dtype=torch.int32, device=device)
     rank = torch.empty(pairs, dtype=torch.int32, device=device)
     _count_pairs_kernel[(triton.cdiv(pairs, GROUP_PAIRS),)](ids, counts, rank, pairs, experts, BLOCK=GROUP_PAIRS)

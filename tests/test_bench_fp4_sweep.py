@@ -26,3 +26,25 @@ def test_sweep_case_times_correct_candidates_paired_against_the_default():
     assert len(reference) == 1 and reference[0]["default"] and reference[0]["paired_ms"] == 0.0
     table = bench.sweep_markdown(rows, dict(date="d", torch="t", triton="tr", device="cpu", command="c"))
     assert table.count("| mxfp4 | 4 |") == 3 and "reference" in table
+
+
+def test_replays_changed_counts_runs_that_differ_from_the_first():
+    """The sweep's race check: further runs whose output differs bit for bit from the first run's (the
+    output poisoned before each) are counted; a run that writes the same values every time counts none."""
+    bench = bench_module("bench_fp4_moe")
+    out = torch.empty(64)
+    values = torch.randn(64, generator=torch.Generator().manual_seed(5))
+    runs = []
+
+    def steady():
+        out.copy_(values)
+
+    def racy():  # every third run writes one element wrong
+        runs.append(None)
+        out.copy_(values)
+        if len(runs) % 3 == 0:
+            out[7] = float("nan")
+
+    steady.output = racy.output = out
+    assert bench.replays_changed(steady, 12) == 0
+    assert bench.replays_changed(racy, 12) == 4  # runs 3, 6, 9, 12 of 13 differ from run 1

@@ -47,6 +47,7 @@ FORCED_CONFIGS = [
     moe.TileConfig("mma", 16, 64, 64, num_stages=2),  # wgmma operand order (KPACK 1)
     moe.TileConfig("mma", 4, 16, 32, num_warps=1),  # mma.sync operand order (KPACK 2), one word per lane
     moe.TileConfig("mma", 8, 16, 32, num_warps=1, prefetch=True),  # two K steps a turn: 1, 2 or 4 steps
+    moe.TileConfig("mma", 4, 16, 32, num_warps=1, prefetch=True, ready_counts=True),  # per-block ready counts
     # split-K: up to 4 gate/up splits (fewer where K has fewer 32-column steps)
     moe.TileConfig("mma", 8, 16, 32, num_warps=1, prefetch=True, k_splits=4),
     moe.TileConfig("mma", 4, 16, 32, num_warps=1, k_splits=2),
@@ -277,6 +278,34 @@ def test_mma_several_scale_groups_per_lane(fmt, name):
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_gate_up_counts_each_blocks_programs(monkeypatch, fmt):
+    """Ready counts: each gate/up program adds 1 to its block's count after its hidden rows, and the
+    down kernel waits for READY = gate/up's programs a block. After a call (skewed routing: an expert
+    over several blocks, empty blocks at the table's end) every used block's count is that number and
+    every empty block's is 0 (the buffer starts poisoned; the grouping zeroes it), and the outputs
+    match the reference (under the interpreter a down program whose count is not READY writes NaN)."""
+    config = moe.TileConfig("mma", 4, 16, 32, num_warps=1, prefetch=True, ready_counts=True)
+    experts, hidden, inter, tokens, top_k = 8, 64, 64, 7, 3
+    w = make_experts(fmt, experts, hidden, inter, seed=51)
+    ids, weights = make_routing(tokens, top_k, experts, "skewed", seed=51)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(52))
+    grouping, seen = moe.expert_blocks, {}
+
+    def poisoned_grouping(topk_ids, experts, block_m, ready=None):
+        ready.fill_(-7)
+        seen["ready"] = ready
+        seen["table"] = grouping(topk_ids, experts, block_m, ready)
+        return seen["table"]
+
+    monkeypatch.setattr(moe, "expert_blocks", poisoned_grouping)
+    check_pairs_against_reference(x, ids, weights, w, None, config, torch.float32)
+    used = seen["table"][1] < experts
+    assert bool((~used).any()) and len(set(seen["table"][1][used].tolist())) < int(used.sum())  # an expert's 2+ blocks
+    assert seen["ready"][used].tolist() == [inter // config.block_n] * int(used.sum())
+    assert bool((seen["ready"][~used] == 0).all())
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 def test_mma_small_down_block_wider_than_hidden(fmt):
     """`mma_small`'s down kernel writes 128 output columns a program: at the tiny model's hidden size
     (64) half of them are past the hidden size, masked on load and store (NaN-poisoned pair rows)."""
@@ -363,7 +392,10 @@ def test_size_class_token_boundary(pairs, experts, expected):
      (dict(scale_asm=True), "scale_asm"), (dict(path="dot", block_m=16, scale_asm=True), "scale_asm"),
      (dict(max_regs=16), "max_regs"), (dict(max_regs=256), "max_regs"), (dict(down_max_regs=-1), "down_max_regs"),
      (dict(k_splits=2), "k_splits"), (dict(path="mma", num_warps=1, k_splits=3), "k_splits"),
-     (dict(path="mma", num_warps=1, k_splits=0), "k_splits"), (dict(direct_blocks=True), "direct_blocks")],
+     (dict(path="mma", num_warps=1, k_splits=0), "k_splits"), (dict(direct_blocks=True), "direct_blocks"),
+     (dict(ready_counts=True), "ready_counts"), (dict(path="mma", num_warps=1, ready_counts=True), "ready_counts"),
+     (dict(path="mma", num_warps=1, prefetch=True, direct_blocks=True, ready_counts=True), "ready_counts"),
+     (dict(path="mma", num_warps=1, prefetch=True, k_splits=2, ready_counts=True), "ready_counts")],
 )
 def test_tile_config_rejects_bad_values(kwargs, match):
     base = dict(path="gemv", block_m=1, block_n=16, block_k=64)
@@ -451,7 +483,8 @@ launches = []
 for name in ("_gate_up_mma_kernel", "_down_mma_kernel"):
     setattr(moe, name, launch_recorder(getattr(moe, name), launches))
 # the launches only, planned on CPU: the grouping kernels (Triton, no driver here) give int32 tables
-moe.expert_blocks = lambda ids, experts, block_m: tuple(torch.zeros(n, dtype=torch.int32) for n in (12, 4, 4, 4))
+moe.expert_blocks = lambda ids, experts, block_m, ready=None: tuple(torch.zeros(n, dtype=torch.int32)
+                                                                    for n in (12, 4, 4, 4))
 for fmt in ("mxfp4", "nvfp4"):
     group = moe.GROUP[fmt]
     w13 = torch.zeros(2, 256, 64, dtype=torch.uint8)

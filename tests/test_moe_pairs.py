@@ -31,6 +31,28 @@ def test_expert_blocks_match_loop(tokens, top_k, experts, block_m):
     check_expert_blocks(ids.reshape(-1).tolist(), experts, block_m, *moe_pairs.expert_blocks(ids, experts, block_m))
 
 
+@pytest.mark.parametrize("tokens, block_m", [(7, 8), (250, 1), (400, 8)])
+def test_expert_blocks_zero_the_ready_counts(tokens, block_m):
+    """The ready counts of the FP4 MoE's down kernel (`ready`, one a block) start poisoned and come out
+    zeroed, by the one grouping program (42 pairs; 1,500 pairs in 1,500 blocks, zeroed 1,024 at a
+    time) and by the two-launch path (2,400 pairs), with the same block table as without them."""
+    ids = torch.randint(-1, 256, (tokens, 6), generator=torch.Generator().manual_seed(tokens)).to(torch.int32)
+    bound = moe_pairs.block_bound(tokens * 6, 256, block_m)
+    ready = torch.full((bound,), -7, dtype=torch.int32)
+    with_ready = moe_pairs.expert_blocks(ids, 256, block_m, ready)
+    assert bool((ready == 0).all())
+    for got, want in zip(with_ready[1:], moe_pairs.expert_blocks(ids, 256, block_m)[1:]):  # the block table
+        assert torch.equal(got, want)
+    check_expert_blocks(ids.reshape(-1).tolist(), 256, block_m, *with_ready)
+
+
+@pytest.mark.parametrize("ready, match", [(torch.zeros(5, dtype=torch.int32), r"shape \(6,\)"),
+                                          (torch.zeros(6, dtype=torch.int64), "int32")])
+def test_expert_blocks_reject_a_ready_buffer_that_does_not_fit(ready, match):
+    with pytest.raises(ValueError, match=match):
+        moe_pairs.expert_blocks(torch.zeros(1, 6, dtype=torch.int32), 8, 8, ready)
+
+
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_one_program_fills_a_long_spare_table(dtype):
     """2,048 pairs (ONE_PROGRAM_PAIRS), all skipped but one: 2,047 spare blocks, written 1,024 at a

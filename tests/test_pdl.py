@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dsv4_compile.kernels import _runtime
+from dsv4_compile.kernels import fp4_moe as moe
 from helpers import run_compiled_script
 
 
@@ -63,7 +64,7 @@ def test_dsv4_pdl_other_values_raise_naming_it(monkeypatch):
 
 
 _PDL_CROSS_COMPILE = """
-import sys, torch, triton.language as tl
+import dataclasses, sys, torch, triton.language as tl
 sys.path[:0] = ["bench"]
 from bench_sparse_mla import Case, cross_compile, launch_recorder, make_inputs
 from dsv4_compile.kernels import _runtime, fp4_moe as moe, indexer_topk, moe_pairs, sparse_mla as sm, topk_select
@@ -82,9 +83,10 @@ x = torch.zeros(2, 256, dtype=torch.bfloat16)
 w13, w2 = torch.zeros(2, 256, 128, dtype=torch.uint8), torch.zeros(2, 256, 64, dtype=torch.uint8)
 s13, s2 = torch.zeros(2, 256, 8, dtype=torch.uint8), torch.zeros(2, 256, 4, dtype=torch.uint8)
 ids = torch.zeros(2, 6, dtype=torch.int32)
-for cls in ("mma_token", "mma"):
+for config in (moe.DEFAULT_CONFIGS["mma_token"], moe.DEFAULT_CONFIGS["mma"],
+               dataclasses.replace(moe.DEFAULT_CONFIGS["mma"], ready_counts=True)):
     pairs = moe.fp4_moe_pairs_triton(x, ids, torch.ones(2, 6), w13, s13, w2, s2, "mxfp4", None, None, None,
-                                     config=moe.DEFAULT_CONFIGS[cls])
+                                     config=config)
 # down codes at a misaligned address: the launcher copies them, and the down kernel then waits first
 odd = torch.zeros(2 * 256 * 64 + 1, dtype=torch.uint8)[1:].view(2, 256, 64)
 moe.fp4_moe_pairs_triton(x, ids, torch.ones(2, 6), w13, s13, odd, s2, "mxfp4", None, None, None,
@@ -105,9 +107,11 @@ for launch in launches:
     name = launch.kernel.fn.__name__
     mode = launch.meta.get("PDL", launch.meta.get("RELEASE", "none"))
     if name == "_down_mma_kernel":
-        mode = f"{mode},early={launch.meta['EARLY']}"
+        mode = f"{mode},early={launch.meta['EARLY']},ready={launch.meta['READY']}"
+    if name == "_gate_up_mma_kernel":
+        mode = f"{mode},count={launch.meta['COUNT_READY']}"
     if name == "_score_pages_kernel":  # not compiled: it takes no PDL
-        print(name, launch.meta.get("launch_pdl", False), mode, "-", "-", "-", "-")
+        print(name, launch.meta.get("launch_pdl", False), mode, "-", "-", "-", "-", "-", "-")
         continue
     if name in ("_gate_up_mma_kernel", "_down_mma_kernel"):  # as the launcher passes them on a GPU
         launch.meta.update(DOT_DTYPE=tl.bfloat16, COMPILED=True)
@@ -115,8 +119,23 @@ for launch in launches:
         ptx = cross_compile(launch, cap).asm["ptx"]
         wait = ptx.find("griddepcontrol.wait")
         cg = ptx.find("ld.global.cg")
+        # the ready counts: gate/up's release adds and the down kernel's acquire loads, and their
+        # order: gate/up's last store, then a barrier, then the add, and no store after it; the down
+        # kernel's last acquire before its first hidden-row load (a 16-byte vector past L1), its last
+        # wait after its last hidden-row load and before its store
+        release = ptx.find("atom.global.gpu.release.add")
+        acquire = ptx.rfind("ld.global.gpu.acquire")
+        hidden, last_wait = ptx.find("ld.global.cg.v4"), ptx.rfind("griddepcontrol.wait")
+        if release >= 0:
+            order = 0 <= ptx.rfind("st.global", 0, release) < ptx.rfind("bar.sync", 0, release) and (
+                ptx.find("st.global", release) < 0)
+        elif acquire >= 0:
+            order = acquire < hidden and ptx.rfind("ld.global.cg.v4") < last_wait < ptx.rfind("st.global")
+        else:
+            order = "-"
         print(name, launch.meta.get("launch_pdl", False), mode, cap, ptx.count("griddepcontrol.wait"),
-              ptx.count("griddepcontrol.launch_dependents"), 0 <= cg < wait)
+              ptx.count("griddepcontrol.launch_dependents"), 0 <= cg < wait,
+              f"{ptx.count('atom.global.gpu.release.add')}/{ptx.count('ld.global.gpu.acquire')}", order)
 """
 
 
@@ -126,6 +145,9 @@ def test_each_kernel_takes_its_pdl_mode_and_compiles_it():
       is launched plainly); gate/up, the split sums and the down kernel wait, then let the next launch;
       the down kernel reads its block table past L1 (ld.global.cg) before its wait, except on a copy
       of its weights (misaligned codes here), where it waits first; the combine waits;
+    - with ready counts (the 32-row class's config with ready_counts), gate/up adds to its block's
+      count (a release) after its rows, and the down kernel acquires its block's count before it reads
+      the hidden rows, lets the next kernel launch, and waits for gate/up's end before its store;
     - the indexer's scoring takes no PDL and its three selection kernels wait without letting the
       next launch early (on the H200 an early launch cost 1-10 us there);
     - sparse MLA's tile waits, and lets its combine launch early only when split; the combine
@@ -133,24 +155,35 @@ def test_each_kernel_takes_its_pdl_mode_and_compiles_it():
     Every waiting kernel is launched with launch_pdl, and its PTX waits exactly where its mode says."""
     rows = run_compiled_script(_PDL_CROSS_COMPILE, _runtime.__file__)
     got = {}
-    for name, launch_pdl, mode, cap, waits, releases, cg_first in rows:
-        got.setdefault((name, launch_pdl, mode), set()).add((cap, waits, releases, cg_first))
-    wait_release = {(cap, "1", "1", "False") for cap in ("90", "120")}
-    wait_only = {(cap, "1", "0", "False") for cap in ("90", "120")}
+    for name, launch_pdl, mode, cap, waits, releases, cg_first, counts, count_order in rows:
+        got.setdefault((name, launch_pdl, mode), set()).add((cap, waits, releases, cg_first, counts, count_order))
+    wait_release = {(cap, "1", "1", "False", "0/0", "-") for cap in ("90", "120")}
+    wait_only = {(cap, "1", "0", "False", "0/0", "-") for cap in ("90", "120")}
+    ready_32 = 128 // moe.DEFAULT_CONFIGS["mma"].block_n  # gate/up's programs a block: I = 128, 32 columns each
     assert got == {
-        ("_group_pairs_kernel", "False", "True"): {(cap, "0", "1", "False") for cap in ("90", "120")},
-        ("_gate_up_mma_kernel", "True", "2"): wait_release,
+        ("_group_pairs_kernel", "False", "True"): {(cap, "0", "1", "False", "0/0", "-") for cap in ("90", "120")},
+        ("_gate_up_mma_kernel", "True", "2,count=False"): wait_release,
+        # a release add on the block's ready count after the hidden rows
+        ("_gate_up_mma_kernel", "True", "2,count=True"): {(cap, "1", "1", "False", "1/0", "True")
+                                                          for cap in ("90", "120")},
         ("_swiglu_partials_kernel", "True", "2"): wait_release,
-        # a wait (and release) on each path: before the hidden rows, or before leaving an empty block
-        ("_down_mma_kernel", "True", "2,early=True"): {(cap, "2", "2", "True") for cap in ("90", "120")},
-        ("_down_mma_kernel", "True", "2,early=False"): wait_release,
+        # without ready counts (after the split sums, or the 32-row class's default): a wait (and
+        # release) on each path, before the hidden rows or before leaving an empty block
+        ("_down_mma_kernel", "True", "2,early=True,ready=0"): {(cap, "2", "2", "True", "0/0", "-")
+                                                                for cap in ("90", "120")},
+        # the 32-row class with ready counts: the block's ready count acquired (in the spin and its
+        # first check) before the hidden rows; a wait and release leaving an empty block, a release
+        # after the count, and a wait before the store
+        ("_down_mma_kernel", "True", f"2,early=True,ready={ready_32}"): {(cap, "2", "2", "True", "0/2", "True")
+                                                                         for cap in ("90", "120")},
+        ("_down_mma_kernel", "True", "2,early=False,ready=0"): wait_release,
         ("_combine_pairs_kernel", "True", "1"): wait_only,
-        ("_score_pages_kernel", "False", "none"): {("-", "-", "-", "-")},
+        ("_score_pages_kernel", "False", "none"): {("-",) * 6},
         ("_chunk_hist_kernel", "True", "1"): wait_only,
         ("_chunk_split_kernel", "True", "1"): wait_only,
         ("_finish_kernel", "True", "1"): wait_only,
         ("_sparse_mla_fwd", "True", "2"): wait_release,
         ("_sparse_mla_fwd", "True", "1"): wait_only,
         ("_sparse_mla_combine", "True", "1"): wait_only,
-        ("_stage_fp8_rows_kernel", "False", "none"): {(cap, "0", "0", "False") for cap in ("90", "120")},
+        ("_stage_fp8_rows_kernel", "False", "none"): {(cap, "0", "0", "False", "0/0", "-") for cap in ("90", "120")},
     }, got
