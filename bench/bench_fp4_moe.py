@@ -367,10 +367,11 @@ def _mma(block_m, block_n, block_k, warps, stages, prefetch=False, down=(0, 0), 
 # tensor-core path (fp4_moe's MMA path comment), all on one warp and without cp.async (every
 # pipelined variant lost in the third to fifth sessions' sweeps): with prefetch=True two K steps a
 # turn, each loaded a step ahead into registers (BLOCK_K 64 or 128, fewer weight rows for fewer
-# registers), beside the plain loop with 256-column steps (the verify default). 72 (config, M,
+# registers), beside the plain loop with 256-column steps (the verify default). 74 (config, M,
 # format) rows: some 2-3 minutes on the H200 with compiles. `ready`: the down kernel's per-block
 # ready counts instead of its wait for the whole gate/up grid (TileConfig.ready_counts; not yet
-# timed). `down` gives the down kernel output columns and warps of its own: in the eleventh session's
+# timed; at M=8 also with 32 gate/up columns a program, half the programs, whose last wave the down
+# programs could then fill). `down` gives the down kernel output columns and warps of its own: in the eleventh session's
 # B=64 step, gate/up on 16 rows and down on 64 rows and 2 warps took 126 us less kernel time a step
 # (its step time did not follow; bench/RESULTS.md). `asm`: the scale
 # words by inline-asm loads (TileConfig.scale_asm; the default at 32 rows). `caps`: register caps of
@@ -387,7 +388,8 @@ _TOKEN = [_mma(8, 16, 128, 1, 1, True, splits=2), _mma(8, 16, 128, 1, 1, True), 
 _SMALL = [_mma(8, 16, 128, 1, 1, True, down=(128, 4)), _mma(8, 16, 128, 1, 1, True, down=(128, 4), splits=2),
           _mma(8, 16, 128, 1, 1, True, down=(128, 4), direct=True),
           _mma(8, 16, 128, 1, 1, True, down=(128, 4), splits=2, direct=True),
-          _mma(8, 16, 128, 1, 1, True, down=(128, 4), ready=True)]
+          _mma(8, 16, 128, 1, 1, True, down=(128, 4), ready=True),
+          _mma(8, 32, 128, 1, 1, True, down=(128, 4), ready=True)]
 SWEEP_CANDIDATES = {
     1: _TOKEN,
     8: _SMALL,
