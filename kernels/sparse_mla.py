@@ -192,8 +192,10 @@ def _check_pool(name: str, rows, scales, idx, q: torch.Tensor) -> tuple[bool, in
             raise ValueError(
                 f"{name}: FP8 rows of {rows.shape[1]} bytes do not fit head_dim {head_dim}: need "
                 f"nope + 2*rope bytes with nope + rope = head_dim and nope a positive multiple of 64")
-        if rows.stride(1) != 1 or rows.stride(0) % 2:
-            raise ValueError(f"{name}: FP8 rows need unit column stride and an even row stride, got {rows.stride()}")
+        if rows.stride(1) != 1 or rows.stride(0) % 2 or rows.storage_offset() % 2:
+            raise ValueError(f"{name}: FP8 rows need unit column stride, an even row stride and an even byte offset "
+                             f"(their rope values are read as bf16), got strides {rows.stride()}, offset "
+                             f"{rows.storage_offset()}")
         if (not isinstance(scales, torch.Tensor) or scales.dtype != torch.uint8 or scales.dim() != 2
                 or scales.shape[0] != rows.shape[0] or scales.shape[1] < nope // SCALE_GROUP):
             raise ValueError(
@@ -201,6 +203,9 @@ def _check_pool(name: str, rows, scales, idx, q: torch.Tensor) -> tuple[bool, in
                 f"got {getattr(scales, 'dtype', None)} {getattr(scales, 'shape', None)}")
         if scales.device != q.device:
             raise ValueError(f"{sname}: on {scales.device}, q is on {q.device}")
+        if scales.shape[1] > 1 and scales.stride(1) != 1:
+            raise ValueError(f"{sname}: exponents need unit column stride (any row stride), got strides "
+                             f"{scales.stride()}")
         fp8 = True
     else:
         if rows.dtype != q.dtype:
@@ -233,7 +238,8 @@ def validate_sparse_mla_inputs(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, e
     has_extra = extra_kv is not None or extra_idx is not None or extra_kv_scale is not None
     if has_extra:
         if extra_kv is None or extra_idx is None:
-            raise ValueError("extra_kv and extra_idx: give both or neither")
+            raise ValueError("extra_kv and extra_idx: give both or neither (extra_kv_scale only with them, for "
+                             "FP8 rows)")
         extra_fp8, extra_nope = _check_pool("extra_kv", extra_kv, extra_kv_scale, extra_idx, q)
         if (extra_fp8, extra_nope, extra_kv.dtype) != (fp8, nope, kv.dtype):
             raise ValueError(f"extra_kv: format {extra_kv.dtype} {tuple(extra_kv.shape)} differs from kv's "
@@ -830,6 +836,8 @@ def plan_sparse_mla(q, kv, kv_scale, idx, extra_kv, extra_kv_scale, extra_idx, s
     """
     layout = _layout_of(q, kv, extra_kv)
     batch, tokens, heads, head_dim = q.shape
+    if sink is not None:
+        sink = sink.contiguous()  # the kernels read sink[h] at h (any stride is accepted)
     num_extra = extra_idx.shape[2] if layout.has_extra else 0
     cfg = config or pick_config(batch, tokens, heads, head_dim, idx.shape[2] + num_extra, q.device, num_splits,
                                 layout.fp8, value_bytes=q.element_size())

@@ -210,6 +210,20 @@ def test_strided_row_views(fmt):
                                atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_strided_sink(num_splits):
+    """sink as a strided view (every other element of a longer tensor, the rest NaN): the forward
+    tile (one split) and the split-K combine (two) read the view's values."""
+    q, kv, kv_scale, idx, ekv, esc, eidx, sink, scale = inputs(12, 2, 2, 4, "bf16", "csa", 12, 12)
+    wide = torch.full((2 * sink.shape[0],), float("nan"))
+    wide[::2] = sink
+    view = wide[::2]
+    assert view.stride(0) == 2 and torch.equal(view, sink)
+    got = check((q, kv, kv_scale, idx, ekv, esc, eidx, view, scale), num_splits=num_splits)
+    torch.testing.assert_close(got, sparse_mla_triton(q, kv, kv_scale, idx, ekv, esc, eidx, sink, scale,
+                                                      num_splits=num_splits), atol=0, rtol=0)
+
+
 def test_reference_matches_the_models_plain_torch_form():
     """The spec agrees with hotspots.sparse_attention_with_sink (f32, where both are defined)."""
     from dsv4_compile.model.hotspots import gather_rows, sparse_attention_with_sink
@@ -242,6 +256,14 @@ def test_registered_op_runs_the_kernel_and_passes_opcheck():
                           test_utils=("test_schema", "test_faketensor"))
 
 
+def _odd_offset(rows):
+    """The same FP8 rows (uint8) starting one byte into their buffer, with an even row stride."""
+    buf = torch.zeros(rows.shape[0], rows.shape[1] + 2, dtype=torch.uint8)
+    view = buf[:, 1:rows.shape[1] + 1]
+    view.copy_(rows)
+    return view
+
+
 def _bad_inputs():
     q, kv, kv_scale, idx, ekv, esc, eidx, sink, scale = inputs(8, 1, 2, 2, "fp8", "csa", 8, 8, rope=32)
     good = dict(q=q, kv=kv, kv_scale=kv_scale, idx=idx, extra_kv=ekv, extra_kv_scale=esc, extra_idx=eidx,
@@ -265,6 +287,12 @@ def _bad_inputs():
         "sink_shape": (dict(sink=sink[:1]), "sink"),
         "sink_dtype": (dict(sink=sink.double()), "sink"),
         "scale_nan": (dict(scale=math.nan), "scale"),
+        # exponents read at a column stride other than 1 (the kernels take a row stride only)
+        "fp8_scale_columns": (dict(kv_scale=kv_scale.t().contiguous().t()), "kv_scale"),
+        "extra_fp8_scale_columns": (dict(extra_kv_scale=esc.t().contiguous().t()), "extra_kv_scale"),
+        # FP8 rows at an odd byte offset: their rope values are read as bf16
+        "fp8_odd_offset": (dict(kv=_odd_offset(kv)), "kv"),
+        "extra_scale_alone": (dict(extra_kv=None, extra_idx=None), "extra_kv_scale"),
     }
     return good, cases
 
