@@ -81,7 +81,8 @@ def indexer_scores_reference(
     max_pages = page_table.shape[1]
     slots = max_pages * PAGE_SIZE
     lens = lens.long().clamp(0, slots)
-    valid_pages = (lens.amax(dim=1) + PAGE_SIZE - 1) // PAGE_SIZE  # [B]
+    top = lens.amax(dim=1) if tokens else lens.new_zeros(batch)  # [B]; no token reads no page
+    valid_pages = (top + PAGE_SIZE - 1) // PAGE_SIZE
     logical = torch.arange(max_pages, device=q.device)
     physical = torch.where(logical < valid_pages[:, None], page_table.long(), 0)
     keys = k_cache[physical].float().reshape(batch, slots, head_dim)
@@ -161,7 +162,7 @@ def _score_and_store(q_cols, w_cols, keys, scale, ws_ptr, b, t0, T, page, lens, 
     t = t0 + tl.arange(0, BLOCK_T)
     slot = page * PAGE + tl.arange(0, PAGE)
     keep = (t[None, :] < T) & (slot[:, None] < lens[None, :])
-    rows = b * T + t
+    rows = (b * T + t).to(tl.int64)  # B * T * S_MAX may pass 2**31 (long verify or prefill lists)
     tl.store(ws_ptr + rows[None, :] * S_MAX + slot[:, None], scores, mask=keep)
 
 
@@ -422,7 +423,8 @@ def indexer_scores_triton(
         *q.stride(), *weights.stride(), *k_cache.stride(), *ks_strides,
         *page_table.stride(), *lens.stride(),
         N_TBLOCKS=triton.cdiv(tokens, block_t), BLOCK_T=block_t, BLOCK_H=block_h,
-        BLOCK_D=triton.next_power_of_2(head_dim), PAGE=PAGE_SIZE, HAS_SCALE=has_scale,
+        BLOCK_D=max(triton.next_power_of_2(head_dim), 32 if fp8 else 16),  # 8-bit dots need K >= 32
+        PAGE=PAGE_SIZE, HAS_SCALE=has_scale,
         DOT_DTYPE=dot_dtype, PRECISION=precision, FOR_LOOPS=q.is_cuda,
         ID_AHEAD=id_ahead,
         SCALE_AHEAD=scale_ahead, PIN_IDS=pin_ids and q.is_cuda, num_warps=warps, num_stages=stages,
@@ -539,6 +541,8 @@ def check_indexer_values(k_cache, page_table, lens) -> None:
     """lens in [0, max_pages * 64] and valid pages' ids in [0, P) (one host sync)."""
     max_pages = page_table.shape[1]
     slots = max_pages * PAGE_SIZE
+    if lens.numel() == 0:  # no query token: nothing is read
+        return
     lens64 = lens.long()
     valid_pages = (lens64.clamp(0, slots).amax(dim=1, keepdim=True) + PAGE_SIZE - 1) // PAGE_SIZE
     used = torch.arange(max_pages, device=lens.device) < valid_pages

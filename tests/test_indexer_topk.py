@@ -249,3 +249,45 @@ def _replace(i, value):
 def test_bad_input_raises(args, match):
     with pytest.raises(ValueError, match=match):
         torch.ops.dsv4.indexer_topk(*args)
+
+
+def test_no_query_tokens_gives_an_empty_answer():
+    """T = 0 with B > 0: the op (value checks, kernels) and the reference return [B, 0, topk]."""
+    case = dict(batch=2, tokens=1, heads=4, dim=16, max_pages=2, pages=3, topk=8,
+                lens=[[70], [5]], q_dtype=torch.bfloat16, k_dtype=FP8, strided_q=False, seed=4)
+    q, weights, k_cache, k_scale, page_table, lens = build(case)
+    args = (q[:, :0], weights[:, :0], k_cache, k_scale, page_table, lens[:, :0], 8)
+    assert torch.ops.dsv4.indexer_topk(*args).shape == (2, 0, 8)
+    assert mod.indexer_topk_reference(*args).shape == (2, 0, 8)
+
+
+_FP8_SCORING_CROSS_COMPILE = """
+import sys, torch, triton.language as tl
+sys.path[:0] = ["bench"]
+from bench_sparse_mla import cross_compile, launch_recorder
+from dsv4_compile.kernels import indexer_topk as mod
+print("module", mod.__file__)
+launches = []
+mod._score_pages_kernel = launch_recorder(mod._score_pages_kernel, launches)
+mod._dot_dtype = lambda q, k_cache: (tl.float8e4nv, None)  # fp8 q and keys, as on a GPU
+for dim in (16, 32, 128):
+    launches.clear()
+    q = torch.zeros(1, 1, 4, dim).to(torch.float8_e4m3fn)
+    mod.indexer_scores_triton(q, torch.zeros(1, 1, 4), torch.zeros(2, 64, dim).to(torch.float8_e4m3fn),
+                              torch.ones(2, 64), torch.zeros(1, 2, dtype=torch.int32),
+                              torch.full((1, 1), 100, dtype=torch.int32), 8)
+    launch = launches[0]
+    launch.meta.update(FOR_LOOPS=True)
+    for cap in (90, 120):
+        cross_compile(launch, cap)
+        print(dim, cap, launch.meta["BLOCK_D"])
+"""
+
+
+def test_fp8_scoring_compiles_for_small_head_dims():
+    """fp8 q with fp8 keys take an 8-bit tl.dot, whose reduction must span at least 32 values: a head
+    dim of 16 is scored over 32 columns (the loads mask the rest), and compiles for sm_90 and sm_120
+    (the interpreter always dots in f32, so only a compile shows this)."""
+    from helpers import run_compiled_script
+    rows = run_compiled_script(_FP8_SCORING_CROSS_COMPILE, mod.__file__)
+    assert rows == [[str(d), str(c), str(max(d, 32))] for d in (16, 32, 128) for c in (90, 120)]
