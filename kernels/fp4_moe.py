@@ -67,10 +67,13 @@ def check_fp4_moe_inputs(
     fmt: str,
     w13_global: torch.Tensor | None,
     w2_global: torch.Tensor | None,
+    swiglu_limit: float | None = None,
 ) -> tuple[int, int, int, int, int]:
-    """Shape/dtype checks that need no host sync. Returns (M, K, E, I, k)."""
+    """Shape/dtype/device checks that need no host sync. Returns (M, K, E, I, k)."""
     if fmt not in FORMATS:
         raise ValueError(f"fp4_moe: fmt must be one of {FORMATS}, got {fmt!r}")
+    if swiglu_limit is not None and not (isinstance(swiglu_limit, (int, float)) and swiglu_limit >= 0):
+        raise ValueError(f"fp4_moe: swiglu_limit must be None or a number >= 0 (inf: no clamp), got {swiglu_limit!r}")
     if x.ndim != 2 or x.dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"fp4_moe: x must be [M, K] bf16 or f32, got {tuple(x.shape)} {x.dtype}")
     tokens, hidden = x.shape
@@ -87,6 +90,8 @@ def check_fp4_moe_inputs(
                             f"got {tuple(w.shape)} {w.dtype}")
     _check_tiling(w13, w2)
     experts, two_inter, half_hidden = logical_shape(w13)
+    if experts < 1:
+        raise ValueError(f"fp4_moe: w13 must hold at least one expert, got {tuple(w13.shape)}")
     inter = two_inter // 2
     group = GROUP[fmt]
     if 2 * half_hidden != hidden or hidden % group:
@@ -110,6 +115,10 @@ def check_fp4_moe_inputs(
         if fmt == "nvfp4" and (glob is None or tuple(glob.shape) != (experts,) or glob.dtype != torch.float32):
             got = None if glob is None else (tuple(glob.shape), glob.dtype)
             raise TypeError(f"fp4_moe: {name} must be [E={experts}] float32 for nvfp4, got {got}")
+    for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights), ("w13", w13), ("w13_scale", w13_scale),
+                    ("w2", w2), ("w2_scale", w2_scale), ("w13_global", w13_global), ("w2_global", w2_global)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"fp4_moe: {name} is on {t.device}, x on {x.device}")
     return tokens, hidden, experts, inter, top_k
 
 
@@ -1409,6 +1418,11 @@ def fp4_moe_pairs_triton(
     (tests force a path, the bench sweeps).
     """
     tokens, hidden = x.shape
+    # The kernels read the scales' and globals' last dimension, and the dot path the codes', at unit
+    # stride (tiled codes wholly contiguous): other layouts are copied here; the model's are not.
+    w2_pointers = (w2.data_ptr(), w2_scale.data_ptr())
+    w13, w2, w13_scale, w2_scale = (t.contiguous() for t in (w13, w2, w13_scale, w2_scale))
+    w13_global, w2_global = (None if g is None else g.contiguous() for g in (w13_global, w2_global))
     experts, two_inter, _ = logical_shape(w13)
     inter, top_k = two_inter // 2, topk_ids.shape[1]
     tiled = is_tiled(w13)
@@ -1471,7 +1485,6 @@ def fp4_moe_pairs_triton(
         common.update(DOT_DTYPE=dot_dtype, NUM_WARPS=config.num_warps, KPACK=kpack, PREFETCH=config.prefetch,
                       COMPILED=not interpreted, SCALE_ASM=config.scale_asm and not interpreted,
                       DIRECT=config.direct_blocks)
-        w2_pointers = (w2.data_ptr(), s2.data_ptr())
         w13, w2 = _as_words(w13), _as_words(w2)
         s13, s2 = _scale_words(s13), _scale_words(s2)
         w2_in_place = (w2.data_ptr(), s2.data_ptr()) == w2_pointers  # no copy (see _down_mma_kernel's EARLY)
@@ -1553,7 +1566,8 @@ def fp4_moe_pairs(
 ) -> torch.Tensor:
     """The expert part of fp4_moe: [M*k, K] f32 weighted per-pair outputs (rows of skipped pairs
     are unspecified; `combine_pairs` masks them). Used by the fp4_moe lowering."""
-    check_fp4_moe_inputs(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, fmt, w13_global, w2_global)
+    check_fp4_moe_inputs(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, fmt, w13_global, w2_global,
+                         swiglu_limit)
     if triton_runs_on(x):
         return fp4_moe_pairs_triton(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, fmt,
                                     w13_global, w2_global, swiglu_limit)
@@ -1595,7 +1609,8 @@ def fp4_moe(
     (decode and verify sizes on GPUs without FP4 tensor cores); the model's experts are checked
     once when optimize() builds the step (check_mxfp4_scale_range), the op does not check values.
     """
-    check_fp4_moe_inputs(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, fmt, w13_global, w2_global)
+    check_fp4_moe_inputs(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, fmt, w13_global, w2_global,
+                         swiglu_limit)
     check_expert_ids(topk_ids, w13.shape[0])
     if not triton_runs_on(x):
         return fp4_moe_reference(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, fmt,

@@ -193,15 +193,67 @@ def _good():
         (lambda a: a.update(ids=a["ids"] + 2), ValueError, "topk_ids"),
         (lambda a: a.update(ids=a["ids"].long()), TypeError, "topk_ids"),
         (lambda a: a.update(x=a["x"].half()), TypeError, "x"),
+        (lambda a: a.update(limit=float("nan")), ValueError, "swiglu_limit"),
+        (lambda a: a.update(limit=-1.0), ValueError, "swiglu_limit"),
+        (lambda a: a.update(w13=a["w13"][:0], w13_scale=a["w13_scale"][:0], w2=a["w2"][:0], w2_scale=a["w2_scale"][:0],
+                            w13_global=a["w13_global"][:0], w2_global=a["w2_global"][:0], ids=a["ids"] * 0 - 1),
+         ValueError, "at least one expert"),
     ],
 )
 def test_bad_input(mutate, error, match):
     x, ids, weights, w = _good()
-    a = dict(w, x=x, ids=ids)
+    a = dict(w, x=x, ids=ids, limit=None)
     mutate(a)
     with pytest.raises(error, match=match):
         torch.ops.dsv4.fp4_moe(a["x"], a["ids"], weights, a["w13"], a["w13_scale"], a["w2"], a["w2_scale"],
-                               a["fmt"], a["w13_global"], a["w2_global"], None)
+                               a["fmt"], a["w13_global"], a["w2_global"], a["limit"])
+
+
+def test_tensors_on_another_device_are_named():
+    """Every tensor must be on x's device (a meta tensor stands in for another device here: the op itself
+    would dispatch a call with one to its fake implementation)."""
+    x, ids, weights, w = _good()
+    for name in ("topk_ids", "w13_scale", "w2_global"):
+        args = dict(x=x, topk_ids=ids, topk_weights=weights, w13=w["w13"], w13_scale=w["w13_scale"], w2=w["w2"],
+                    w2_scale=w["w2_scale"], fmt=w["fmt"], w13_global=w["w13_global"], w2_global=w["w2_global"])
+        args[name] = args[name].to("meta")
+        with pytest.raises(ValueError, match=f"{name} is on meta"):
+            moe.check_fp4_moe_inputs(**args)
+
+
+def _other_strides(t):
+    """The same values in a layout whose last two dimensions' strides are swapped (not contiguous)."""
+    return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+@pytest.mark.parametrize("config", [moe.TileConfig("dot", 16, 32, 32), moe.TileConfig("gemv", 2, 16, 32),
+                                    moe.TileConfig("mma", 8, 16, 32, num_warps=1, prefetch=True)],
+                         ids=["dot", "gemv", "mma"])
+@pytest.mark.parametrize("fmt, tiled", [("nvfp4", False), ("mxfp4", False), ("nvfp4", True)])
+def test_experts_in_any_layout(config, fmt, tiled):
+    """Codes, scales and (nvfp4) global scales that are not contiguous: the same values in other strides
+    (for globals every other element of a longer tensor, the rest NaN) give the same outputs as the
+    contiguous tensors (the kernels read last dimensions at unit stride; the launcher copies others)."""
+    from dsv4_compile.fp4_tiles import tile_fp4
+
+    experts, hidden, inter, tokens, top_k = 3, 128, 128, 5, 2  # whole tiles of 128 values a row
+    w = make_experts(fmt, experts, hidden, inter, seed=61)
+    if tiled:
+        w.update(w13=tile_fp4(w["w13"]), w2=tile_fp4(w["w2"]))
+    ids, weights = make_routing(tokens, top_k, experts, "random", seed=61)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(62))
+    want = moe.fp4_moe_pairs_triton(*_args(x, ids, weights, w, None), config=config)
+    odd = dict(w, w13=_other_strides(w["w13"]), w2=_other_strides(w["w2"]), w13_scale=_other_strides(w["w13_scale"]),
+               w2_scale=_other_strides(w["w2_scale"]))
+    for name in ("w13_global", "w2_global"):
+        if w[name] is not None:
+            wide = torch.full((2 * experts,), float("nan"))
+            wide[::2] = w[name]
+            odd[name] = wide[::2]
+    assert not any(odd[n].is_contiguous() for n in ("w13", "w2", "w13_scale", "w2_scale"))
+    got = moe.fp4_moe_pairs_triton(*_args(x, ids, weights, odd, None), config=config)
+    valid = ((ids >= 0) & (ids < experts)).reshape(-1)
+    torch.testing.assert_close(got[valid], want[valid], atol=0, rtol=0)
 
 
 def test_mxfp4_scale_dtype_checked():
