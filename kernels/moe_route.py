@@ -49,6 +49,26 @@ def _check(hidden, gate_weight, bias, tid2eid, input_ids, top_k):
             raise ValueError(f"moe_route: tid2eid must be [V, top_k={top_k}], got {tuple(tid2eid.shape)}")
         if tuple(input_ids.shape) != (hidden.shape[0],):
             raise ValueError(f"moe_route: input_ids must be [M={hidden.shape[0]}], got {tuple(input_ids.shape)}")
+        for name, t in (("tid2eid", tid2eid), ("input_ids", input_ids)):
+            if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+                raise TypeError(f"moe_route: {name} must be an integer tensor, got {t.dtype}")
+
+
+def _check_values(tid2eid, input_ids, experts: int, routed_scaling) -> None:
+    """routed_scaling finite; eager, outside CUDA-graph capture (a host sync): hash routing's input_ids in
+    [0, V) and the rows of tid2eid they pick in [0, E)."""
+    if not isinstance(routed_scaling, Real) or not math.isfinite(routed_scaling):
+        raise ValueError(f"moe_route: routed_scaling must be a finite float, got {routed_scaling!r}")
+    if tid2eid is None or input_ids.numel() == 0 or (input_ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    vocab = tid2eid.shape[0]
+    if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
+        raise ValueError(f"moe_route: input_ids must lie in [0, V={vocab}), got range "
+                         f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+    picked = tid2eid[input_ids.long()]
+    if int(picked.min()) < 0 or int(picked.max()) >= experts:
+        raise ValueError(f"moe_route: the tid2eid rows of these input_ids must hold expert ids in [0, E={experts}), "
+                         f"got range [{int(picked.min())}, {int(picked.max())}]")
 
 
 def moe_route_reference(
@@ -85,6 +105,7 @@ def moe_route(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Expert routing, see the module docstring. Runs the torch reference on every device."""
     _check(hidden, gate_weight, bias, tid2eid, input_ids, top_k)
+    _check_values(tid2eid, input_ids, gate_weight.shape[0], routed_scaling)
     return moe_route_reference(hidden, gate_weight, bias, tid2eid, input_ids, top_k, routed_scaling)
 
 

@@ -71,6 +71,16 @@ def test_bias_selects_but_does_not_weight():
         (dict(bias=torch.zeros(6, dtype=torch.float64)), TypeError, "bias"),
         (dict(gate_weight=torch.randn(6, 9)), ValueError, "gate_weight"),
         (dict(tid2eid=torch.zeros(10, 2, dtype=torch.long)), ValueError, "input_ids"),
+        (dict(tid2eid=torch.full((10, 2), 1.7), input_ids=torch.arange(4)), TypeError, "tid2eid"),
+        (dict(tid2eid=torch.zeros(10, 2, dtype=torch.long), input_ids=torch.arange(4.0)), TypeError, "input_ids"),
+        (dict(tid2eid=torch.zeros(10, 2, dtype=torch.long), input_ids=torch.tensor([0, 1, 10, 2])), ValueError,
+         r"input_ids must lie in \[0, V=10\)"),
+        (dict(tid2eid=torch.zeros(10, 2, dtype=torch.long), input_ids=torch.tensor([0, 1, -1, 2])), ValueError,
+         "input_ids"),
+        # a row the tokens pick holds expert 6 (E = 6); other rows may hold anything
+        (dict(tid2eid=torch.tensor([[0, 1]] * 9 + [[2, 6]]), input_ids=torch.tensor([0, 9, 1, 2])), ValueError,
+         "tid2eid"),
+        (dict(routed_scaling=float("nan")), ValueError, "routed_scaling"),
     ],
 )
 def test_bad_input(kwargs, error, match):
