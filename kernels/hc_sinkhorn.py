@@ -70,6 +70,9 @@ def hc_sinkhorn_triton(comb: torch.Tensor, iters: int, eps: float, *, block_m: i
     comb = comb.contiguous()
     if out is None:
         out = torch.empty_like(comb)
+    elif out.shape != comb.shape or out.dtype != torch.float32 or not out.is_contiguous() or out.device != comb.device:
+        raise ValueError(f"hc_sinkhorn: out must be a contiguous float32 tensor of comb's shape {tuple(comb.shape)} "
+                         f"on {comb.device}, got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
     matrices = comb.numel() // (n * n)
     if matrices == 0:
         return out

@@ -208,9 +208,14 @@ def combine_pairs_triton(pair_out: torch.Tensor, topk_ids: torch.Tensor, experts
     """`combine_pairs` in one Triton launch: pair_out [M*k, K] f32 (unit column stride), topk_ids
     [M, k] integer -> [M, K] of `dtype`; rows of skipped pairs are never read. `out` may be passed
     pre-poisoned (tests): a contiguous [M, K] tensor of `dtype`, returned."""
-    if topk_ids.ndim != 2 or topk_ids.dtype.is_floating_point:
+    integer = not (topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex or topk_ids.dtype == torch.bool)
+    if topk_ids.ndim != 2 or not integer:
         raise TypeError(f"combine_pairs_triton: topk_ids must be a 2-D integer tensor [M, k], "
                         f"got {topk_ids.dtype} {tuple(topk_ids.shape)}")
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"combine_pairs_triton: dtype must be float32, bfloat16 or float16, got {dtype}")
+    if topk_ids.device != pair_out.device or (out is not None and out.device != pair_out.device):
+        raise ValueError(f"combine_pairs_triton: topk_ids and out must be on pair_out's device {pair_out.device}")
     tokens, top_k = topk_ids.shape
     if pair_out.dtype != torch.float32 or pair_out.ndim != 2:
         raise TypeError(f"combine_pairs_triton: pair_out must be a 2-D float32 tensor [M*k, K], "

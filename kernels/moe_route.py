@@ -143,7 +143,7 @@ def _route_topk_kernel(s_ptr, bias_ptr, w_ptr, ids_ptr, M, E, stride_s, stride_b
     row_ok = rows < M
     live = row_ok[:, None] & (e < E)[None, :]
     s = tl.load(s_ptr + rows[:, None].to(tl.int64) * stride_s + e[None, :], mask=live, other=0.0).to(tl.float32)
-    b = tl.load(bias_ptr + e * stride_b, mask=e < E, other=0.0).to(tl.float32)
+    b = tl.load(bias_ptr + e.to(tl.int64) * stride_b, mask=e < E, other=0.0).to(tl.float32)
     select = (s + b[None, :]).to(SEL_DTYPE).to(tl.float32)  # rounded as the model's add rounds
     select = tl.where(select == select, select, -float("inf"))  # NaN never wins (and never repeats)
     avail = live
@@ -179,6 +179,10 @@ def route_topk_triton(scores: torch.Tensor, bias: torch.Tensor, top_k: int, eps:
         weights = scores.new_empty((rows, top_k))
     if ids is None:
         ids = scores.new_empty((rows, top_k), dtype=torch.int64)
+    for name, t, dtype in (("weights", weights, scores.dtype), ("ids", ids, torch.int64)):
+        if t.shape != (rows, top_k) or t.dtype != dtype or not t.is_contiguous() or t.device != scores.device:
+            raise ValueError(f"route_topk: {name} must be a contiguous [{rows}, {top_k}] {dtype} tensor on "
+                             f"{scores.device}, got {t.dtype} {tuple(t.shape)} strides {t.stride()} on {t.device}")
     if rows == 0:
         return weights, ids
     if scores.stride(1) != 1:

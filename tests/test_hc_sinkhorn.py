@@ -92,3 +92,12 @@ def test_non_tensor_comb():
 
     with pytest.raises(TypeError, match="comb must be a tensor"):
         check_hc_sinkhorn_args([[1.0]], 2, EPS)
+
+
+@pytest.mark.parametrize("out", [torch.empty(4, 4, 3).permute(2, 0, 1), torch.empty(3, 4, 4, dtype=torch.float64),
+                                 torch.empty(2, 4, 4)], ids=["strided", "float64", "shape"])
+def test_out_that_does_not_fit_is_refused(out):
+    """A caller's `out` must be contiguous float32 of comb's shape: the kernel writes it as such."""
+    comb = torch.rand(3, 4, 4)
+    with pytest.raises(ValueError, match="out must be a contiguous float32"):
+        hc_sinkhorn_triton(comb, 5, EPS, out=out)

@@ -132,3 +132,10 @@ def test_combine_pairs_triton_rejects_bad_arguments():
         moe_pairs.combine_pairs_triton(pairs, ids.float(), 4, torch.float32)
     with pytest.raises(ValueError, match="out must be"):
         moe_pairs.combine_pairs_triton(pairs, ids, 4, torch.float32, out=torch.empty(2, 32, dtype=torch.bfloat16))
+    for bad_ids in (ids.bool(), ids.to(torch.complex64)):
+        with pytest.raises(TypeError, match="topk_ids"):
+            moe_pairs.combine_pairs_triton(pairs, bad_ids, 4, torch.float32)
+    with pytest.raises(TypeError, match="dtype"):
+        moe_pairs.combine_pairs_triton(pairs, ids, 4, torch.complex64)
+    with pytest.raises(ValueError, match="device"):  # meta stands in for another device
+        moe_pairs.combine_pairs_triton(pairs, ids.to("meta"), 4, torch.float32)

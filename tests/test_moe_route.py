@@ -171,3 +171,12 @@ def test_route_topk_bad_input(kwargs, error, match):
 def test_route_topk_opcheck():
     torch.library.opcheck(torch.ops.dsv4.route_topk.default, (torch.rand(5, 12), torch.randn(12), 3, 1e-20, 1.5),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("name, bad", [("weights", torch.empty(2, 4).t()), ("ids", torch.empty(4, 2, dtype=torch.int32)),
+                                       ("ids", torch.empty(3, 2, dtype=torch.int64))])
+def test_route_topk_out_tensors_that_do_not_fit_are_refused(name, bad):
+    """Caller-given outputs must be contiguous [M, top_k] of the right dtype: the kernel writes them so."""
+    scores, bias = torch.rand(4, 16), torch.zeros(16)
+    with pytest.raises(ValueError, match=f"route_topk: {name} must be a contiguous"):
+        route.route_topk_triton(scores, bias, 2, 1e-20, 1.0, **{name: bad})
