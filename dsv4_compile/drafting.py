@@ -17,8 +17,9 @@ def ngram_drafts(tokens: list[int], count: int, max_ngram: int = NGRAM_MAX) -> l
     return []
 
 
-def make_drafter(draft: str | Drafter | None, verify_tokens: int) -> Drafter | None:
-    """None, "ngram", or a callable (tokens so far -> proposed tokens); validated against verify_tokens."""
+def make_drafter(draft: str | Drafter | None, verify_tokens: int, vocab_size: int) -> Drafter | None:
+    """None, "ngram", or a callable (tokens so far -> proposed tokens); a callable's proposals are
+    checked: at most verify_tokens ints in [0, vocab_size)."""
     if draft is None:
         return None
     if verify_tokens == 0:
@@ -31,6 +32,11 @@ def make_drafter(draft: str | Drafter | None, verify_tokens: int) -> Drafter | N
             if len(proposal) > verify_tokens:
                 raise ValueError(
                     f"a draft may hold at most verify_tokens={verify_tokens} tokens; got {len(proposal)}")
+            for token in proposal:
+                if isinstance(token, bool) or not isinstance(token, int):
+                    raise TypeError(f"a draft's tokens must be ints; got a {type(token).__name__}")
+                if not 0 <= token < vocab_size:
+                    raise ValueError(f"a draft holds token id {token}; ids must be in [0, {vocab_size})")
             return proposal
         return checked
     raise ValueError(f"draft must be None, 'ngram' or a callable; got {draft!r}")

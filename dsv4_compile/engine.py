@@ -63,13 +63,17 @@ class Engine:
         self.backend = Dsv4Backend(self.config, self.report, cudagraphs=self.device.type == "cuda")
         self._checked_graphs: set[str] = set()
         self._upload_stream: torch.cuda.Stream | None = None
-        graphs = len({batch_bucket(b, max_batch) for b in range(1, max_batch + 1)}) * (2 if verify_tokens else 1)
-        self.compiled_step = compile_step(self.module, self.backend, graphs) if compile else self.module
+        # one graph per batch bucket and T: generate takes T = 1 and verify_tokens + 1, step() any T up to
+        # step_tokens (each new T compiles a graph; a budget below that would end in a hard failure)
+        buckets = len({batch_bucket(b, max_batch) for b in range(1, max_batch + 1)})
+        self.compiled_step = compile_step(self.module, self.backend, buckets * self.layout.step_tokens) if compile \
+            else self.module
 
     @torch.no_grad()
     def step(self, input_ids: torch.Tensor, start_pos: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """The compiled step with its inputs checked; the logits [B, T, V] are a copy on the
-        engine's device, so they outlive the next CUDA-graph replay.
+        engine's device, so they outlive the next CUDA-graph replay. `rows` must be distinct but for
+        the scratch row (max_batch); the batch runs as its bucket's graph, padded with scratch rows.
 
         The inputs may be on the host (a serving scheduler's batch): they are checked there and
         copied to the GPU without waiting for it, so the host can queue this step while the GPU
@@ -77,10 +81,16 @@ class Engine:
         layout = self.layout
         check_step_inputs(input_ids, start_pos, rows, max_batch=layout.max_batch, step_tokens=layout.step_tokens,
                           max_context=layout.max_context, vocab_size=self.vocab_size, device=self.device)
+        batch = input_ids.shape[0]
+        pad = batch_bucket(batch, layout.max_batch) - batch  # the bucket's graph: padded rows write the scratch row
+        if pad:
+            input_ids = torch.cat([input_ids, input_ids.new_zeros(pad, input_ids.shape[1])])
+            start_pos = torch.cat([start_pos, start_pos.new_zeros(pad)])
+            rows = torch.cat([rows, rows.new_full((pad,), layout.scratch_row)])
         input_ids, start_pos, rows = self._to_device(input_ids, start_pos, rows)
         if self.device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()
-        logits = self.compiled_step(input_ids, start_pos, rows).clone()
+        logits = self.compiled_step(input_ids, start_pos, rows)[:batch].clone()
         self._check_sites()
         return logits
 
@@ -160,13 +170,14 @@ class Engine:
         step; the accepted prefix is kept, so the output equals plain greedy decoding.
         """
         check_prompts(prompts, self.layout.max_batch, self.vocab_size)
+        prompts = [list(p) for p in prompts]
         check_int("max_new_tokens", max_new_tokens, 0, None)
         longest = max(len(p) for p in prompts)
         if longest + max_new_tokens > self.layout.max_context:
             raise ValueError(
                 f"prompt length + max_new_tokens must be <= max_context={self.layout.max_context}; "
                 f"got {longest} + {max_new_tokens}")
-        drafter = make_drafter(draft, self.verify_tokens)
+        drafter = make_drafter(draft, self.verify_tokens, self.vocab_size)
         self.last_acceptance: float | None = None
         if max_new_tokens == 0:
             return [[] for _ in prompts]
@@ -227,7 +238,7 @@ class Engine:
         rows, proposals = [], []
         for t, n in zip(tokens, new):
             t.append(n[-1])
-            proposals.append(drafter(t)[: width - 1])
+            proposals.append(drafter(list(t))[: width - 1])  # a copy: a drafter may change its list
             rows.append(t[-1:] + proposals[-1] + [0] * (width - 1 - len(proposals[-1])))
         argmax = self._run(rows, [len(t) - 1 for t in tokens], list(range(len(tokens))))
         proposed = accepted = 0

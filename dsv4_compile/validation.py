@@ -31,7 +31,8 @@ def check_step_inputs(input_ids: object, start_pos: object, rows: object, *, max
     """Checks a direct call of Engine.step: input_ids [B, T], start_pos [B], rows [B], all int64
     and all on the host (CPU) or all on the engine's device, 1 <= B <= max_batch, 1 <= T <=
     step_tokens, ids in [0, vocab_size), start_pos >= 0 with start_pos + T <= max_context, rows in
-    [0, max_batch] (max_batch is the scratch row). Values on a GPU cost one host sync to read."""
+    [0, max_batch] (max_batch is the scratch row) and distinct but for the scratch row. Values on a
+    GPU cost one host sync to read."""
     import torch
 
     named = (("input_ids", input_ids), ("start_pos", start_pos), ("rows", rows))
@@ -67,3 +68,7 @@ def check_step_inputs(input_ids: object, start_pos: object, rows: object, *, max
     if low_row < 0 or high_row > max_batch:
         raise ValueError(f"rows must be in [0, {max_batch}] ({max_batch} is the scratch row); "
                          f"got values in [{low_row}, {high_row}]")
+    cache_rows = rows_host[rows_host != max_batch]
+    if cache_rows.unique().numel() != cache_rows.numel():
+        raise ValueError(f"rows must be distinct (only the scratch row {max_batch} may repeat); "
+                         f"got {rows_host.tolist()}")

@@ -72,6 +72,58 @@ def test_generate_rejects_too_many_drafts(engine):
         engine.generate([[1, 2, 3]], 4, draft=lambda tokens: [1, 2, 3])
 
 
+@pytest.mark.parametrize("proposal, error, message", [
+    ([1, 256], ValueError, r"draft holds token id 256; ids must be in \[0, 256\)"),
+    ([-5], ValueError, r"draft holds token id -5"),
+    ([1.0], TypeError, "a draft's tokens must be ints; got a float"),
+    ("ab", TypeError, "a draft's tokens must be ints; got a str"),
+])
+def test_generate_rejects_bad_draft_tokens(engine, proposal, error, message):
+    with pytest.raises(error, match=message):
+        engine.generate([[1, 2, 3]], 4, draft=lambda tokens: proposal)
+
+
+def test_a_drafter_that_changes_its_list_changes_nothing(engine):
+    """The drafter gets a copy of the request's tokens: appending to it does not reach the engine's."""
+    plain = engine.generate([[7, 3, 9, 7, 3]], 8)
+    assert engine.generate([[7, 3, 9, 7, 3]], 8, draft=lambda tokens: (tokens.append(1), [])[1]) == plain
+
+
+def test_tuple_prompts_are_taken_as_lists(engine):
+    assert engine.generate([(7, 3, 9)], 4) == engine.generate([[7, 3, 9]], 4)
+
+
+def test_step_rejects_repeated_cache_rows(engine):
+    """Two requests in one cache row would overwrite each other; only the scratch row may repeat."""
+    with pytest.raises(ValueError, match="rows must be distinct"):
+        engine.step(torch.tensor([[5], [9]]), torch.tensor([0, 0]), torch.tensor([1, 1]))
+    scratch = engine.layout.scratch_row
+    logits = engine.step(torch.tensor([[5], [9]]), torch.tensor([0, 0]), torch.tensor([scratch, scratch]))
+    assert logits.shape[:2] == (2, 1)
+
+
+def test_step_pads_a_batch_to_its_bucket(model):
+    """A batch of 3 runs the bucket-of-4 graph (its fourth row in the scratch row) and returns 3 rows,
+    equal to the step on those 3 rows alone."""
+    engine = dsv4_compile.optimize(model, max_batch=4, max_context=256, compile=False)
+    ids, start, rows = torch.tensor([[5], [9], [11]]), torch.tensor([0, 3, 1]), torch.tensor([2, 0, 1])
+    seen = []
+    step = engine.compiled_step
+    engine.compiled_step = lambda *args: seen.append(tuple(a.shape[0] for a in args)) or step(*args)
+    got = engine.step(ids, start, rows)
+    assert seen == [(4, 4, 4)] and got.shape[:2] == (3, 1)
+    # f32 products over 3 or 4 rows may block their sums differently (differences of ~1e-6)
+    torch.testing.assert_close(got, engine.module(ids, start, rows), atol=1e-5, rtol=1e-5)
+
+
+def test_compiled_step_budget_covers_every_step_shape(model):
+    """step() may take any T up to step_tokens in every batch bucket: the recompile limit covers them
+    all (a smaller one ends in a hard failure once used up, for generate too)."""
+    with torch._dynamo.config.patch(recompile_limit=8):  # dynamo's default
+        engine = dsv4_compile.optimize(model, max_batch=4, max_context=256, verify_tokens=2)  # compiles lazily
+        assert torch._dynamo.config.recompile_limit >= 3 * engine.layout.step_tokens  # buckets 1, 2, 4
+
+
 def test_generate_rejects_drafts_without_verify_tokens(model):
     plain = dsv4_compile.optimize(model, max_batch=1, max_context=256, compile=False)
     with pytest.raises(ValueError, match="verify_tokens >= 1; got verify_tokens=0"):

@@ -52,9 +52,10 @@ def test_engines_keep_their_own_graph_budget():
     process do not share dynamo's recompile_limit, and an engine raises the limit to its graph count."""
     model = tiny_model(seed=1, num_hidden_layers=1, layer_types=["sliding_attention"], mlp_layer_types=["moe"])
     expected = dsv4_compile.optimize(model, max_batch=1, max_context=256, compile=False).generate([[1, 2, 3]], 2)
-    with torch._dynamo.config.patch(recompile_limit=1):
-        for _ in range(2):  # on a shared code object the second engine's graph would exceed the limit
-            engine = dsv4_compile.optimize(model, max_batch=1, max_context=256, passes=())
+    engines = [dsv4_compile.optimize(model, max_batch=1, max_context=256, passes=()) for _ in range(2)]
+    with torch._dynamo.config.patch(recompile_limit=1):  # the engines compile lazily, under this limit
+        for engine in engines:  # on a shared code object the second engine's graph would exceed the limit
             assert engine.generate([[1, 2, 3]], 2) == expected
-        dsv4_compile.optimize(model, max_batch=64, max_context=256, verify_tokens=3, compile=True, passes=())
-        assert torch._dynamo.config.recompile_limit == 14  # buckets 1..64 (7) x T in {1, 4}
+        engine = dsv4_compile.optimize(model, max_batch=64, max_context=256, verify_tokens=3, compile=True, passes=())
+        # buckets 1..64 (7) x the step's T in 1..step_tokens (16: step() may take any of them)
+        assert engine.layout.step_tokens == 16 and torch._dynamo.config.recompile_limit == 7 * 16
