@@ -275,7 +275,6 @@ def optimize(model: nn.Module, *, max_batch: int = 8, max_context: int = 4096, v
     if not isinstance(model, DeepseekV4ForCausalLM):
         raise TypeError(f"model must be a transformers DeepseekV4ForCausalLM; got {type(model).__name__}")
     check_int("max_batch", max_batch, 1, None)
-    check_int("verify_tokens", verify_tokens, 0, None)
     for name, flag in (("strict", strict), ("compile", compile), ("tile_experts", tile_experts)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool; got {type(flag).__name__}")
@@ -283,12 +282,15 @@ def optimize(model: nn.Module, *, max_batch: int = 8, max_context: int = 4096, v
     csa = config.compress_rates["compressed_sparse_attention"]
     hca = config.compress_rates["heavily_compressed_attention"]
     check_int("max_context", max_context, 1, None)
+    check_int("verify_tokens", verify_tokens, 0, max_context - 1)  # a verify step's T = 1 + verify_tokens
     for name, multiple in (("4 x 64 indexer slots", csa * INDEX_PAGE_SLOTS), ("the HCA rate", hca)):
         if max_context % multiple:
             raise ValueError(f"max_context must be a multiple of {name} ({multiple}); got {max_context}")
     if config.hidden_act != "silu":
         raise ValueError(f"config.hidden_act must be 'silu'; got {config.hidden_act!r}")
     known = set(PASS_MODULES)
+    if passes is not None and (isinstance(passes, str) or not isinstance(passes, (tuple, list, set, frozenset))):
+        raise TypeError(f"passes must be a tuple of pass names (or None: all); got {type(passes).__name__}")
     if passes is not None and not set(passes) <= known:
         raise ValueError(f"passes must be a subset of {sorted(known)}; got {sorted(set(passes) - known)}")
     return Engine(model, max_batch=max_batch, max_context=max_context, verify_tokens=verify_tokens,

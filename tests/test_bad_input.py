@@ -43,7 +43,10 @@ def test_optimize_rejects_max_context_off_the_hca_rate(model):
 @pytest.mark.parametrize("kwargs, error, message", [
     ({"max_batch": 0}, ValueError, "max_batch must be >= 1; got 0"),
     ({"max_batch": 2.0}, TypeError, "max_batch must be an int; got float"),
-    ({"verify_tokens": -1}, ValueError, "verify_tokens must be >= 0; got -1"),
+    ({"verify_tokens": -1}, ValueError, r"verify_tokens must be \[0, 255\]; got -1"),
+    ({"verify_tokens": 1000}, ValueError, r"verify_tokens must be \[0, 255\]; got 1000"),
+    ({"passes": ""}, TypeError, "passes must be a tuple of pass names"),
+    ({"passes": "indexer"}, TypeError, "passes must be a tuple of pass names"),
     ({"strict": "yes"}, TypeError, "strict must be a bool; got str"),
 ])
 def test_optimize_rejects_bad_arguments(model, kwargs, error, message):
