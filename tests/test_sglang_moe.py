@@ -309,6 +309,53 @@ def test_nvfp4_gate_and_up_global_scales_must_match(sg, model_dir, plugin_loaded
             load_checkpoint(layer, ckpt)
 
 
+@pytest.mark.parametrize("up_scale, loads", [(lambda g: g * (1 + 2.0**-20), True), (lambda g: g * (1 + 2.0**-8), False),
+                                             (lambda g: g * float("nan"), False)],
+                         ids=["within_rtol", "beyond_rtol", "nan"])
+def test_nvfp4_gate_and_up_global_scales_close_enough(sg, model_dir, plugin_loaded, up_scale, loads):
+    """Gate and up global scales a rounding apart load (the gate's serves both); farther apart, or not
+    finite, they raise naming w13_weight_scale_2."""
+    with sglang_runtime(sg, model_dir, "flashinfer_trtllm_routed"):
+        layer = build_layer(sg, dsv4_hybrid_config(sg), TARGET_PREFIX)
+        ckpt, op_layout = random_checkpoint("nvfp4", seed=14)
+        for e in range(EXPERTS):
+            ckpt[e, "w3", "weight_scale_2"] = up_scale(ckpt[e, "w3", "weight_scale_2"])
+        if loads:
+            load_checkpoint(layer, ckpt)
+            assert torch.equal(layer.w13_weight_scale_2, op_layout["w13_global"])
+        else:
+            with pytest.raises(ValueError, match="w13_weight_scale_2"):
+                load_checkpoint(layer, ckpt)
+
+
+def test_runner_settings_fp4_moe_does_not_implement_are_rejected():
+    method = sglang_moe.Dsv4Fp4MoEMethod("mxfp4", object(), TARGET_PREFIX)
+    base = dict(activation="silu", is_gated=True, gemm1_alpha=None, gemm1_beta=None, gemm1_clamp_limit=None,
+                apply_router_weight_on_input=False, no_combine=False, swiglu_limit=None)
+    for change in (dict(apply_router_weight_on_input=True), dict(no_combine=True), dict(gemm1_beta=1.0)):
+        name = next(iter(change))
+        with pytest.raises(ValueError, match=name):
+            method.create_moe_runner(None, types.SimpleNamespace(**{**base, **change}))
+    with pytest.raises(ValueError, match="params_dtype must be bfloat16 or float32"):
+        method.create_weights(None, EXPERTS, HIDDEN, INTER, torch.float16)
+
+
+def test_all_to_all_backends_and_fp8_dequant_keep_sglangs_choice(sg, model_dir, plugin_loaded, monkeypatch):
+    """With an all-to-all backend (DeepEP here) the layer gets no standard dispatch output, and with
+    dequant_fp4_to_fp8 SGLang dequantises the experts: both keep SGLang's own selection."""
+    from sglang.srt.layers.moe import utils as moe_utils
+
+    with sglang_runtime(sg, model_dir, "flashinfer_trtllm_routed"):
+        config = dsv4_hybrid_config(sg)
+        layer = build_layer(sg, config, TARGET_PREFIX)
+        assert isinstance(selected(sg, config, layer, TARGET_PREFIX, "sm_120"), sglang_moe.Dsv4Fp4MoEMethod)
+        config.dequant_fp4_to_fp8 = True
+        assert not isinstance(selected(sg, config, layer, TARGET_PREFIX, "sm_120"), sglang_moe.Dsv4Fp4MoEMethod)
+        config.dequant_fp4_to_fp8 = False
+        monkeypatch.setattr(moe_utils, "get_moe_a2a_backend", lambda: moe_utils.MoeA2ABackend.DEEPEP)
+        assert not isinstance(selected(sg, config, layer, TARGET_PREFIX, "sm_120"), sglang_moe.Dsv4Fp4MoEMethod)
+
+
 def test_bad_format_is_rejected():
     with pytest.raises(ValueError, match="fmt must be 'mxfp4' or 'nvfp4'"):
         sglang_moe.Dsv4Fp4MoEMethod("fp8", object(), TARGET_PREFIX)

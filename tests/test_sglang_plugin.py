@@ -277,3 +277,12 @@ def test_other_sglang_version_is_left_untouched(sglang_state, monkeypatch, caplo
     assert plugin.active_backend is None
     warnings = [r for r in caplog.records if r.name == "dsv4_compile" and r.levelno == logging.WARNING]
     assert len(warnings) == 1 and message in warnings[0].getMessage()
+
+
+def test_rocm_keeps_sglangs_own_compile(monkeypatch):
+    """On ROCm (HIP) a DeepSeek-V4 model keeps SGLang's patch_model: the dsv4 kernels use NVIDIA PTX."""
+    calls = []
+    patch_model = plugin.make_patch_model(lambda *args: calls.append(args) or "sglang's", backend=None)
+    model = _ConfigMarkedV4()
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    assert patch_model(model, True, 4, None) == "sglang's" and len(calls) == 1

@@ -104,8 +104,9 @@ def make_patch_model(original: Callable[..., AbstractContextManager[Callable]],
 
     def patch_model(model: torch.nn.Module, enable_compile: bool, num_tokens: int,
                     tp_group: Any) -> AbstractContextManager[Callable]:
-        """DeepSeek-V4 with enable_compile: the dsv4 backend; anything else: SGLang's patch_model."""
-        if enable_compile and is_deepseek_v4(model):
+        """DeepSeek-V4 with enable_compile on an NVIDIA GPU: the dsv4 backend; anything else
+        (ROCm included: the kernels use NVIDIA PTX): SGLang's patch_model."""
+        if enable_compile and torch.version.hip is None and is_deepseek_v4(model):
             return _compile_with_dsv4(model, num_tokens, tp_group, backend)
         return original(model, enable_compile, num_tokens, tp_group)
 

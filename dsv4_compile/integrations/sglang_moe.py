@@ -13,8 +13,9 @@ AROUND hooks on `Fp8Config.get_quant_method` and `HybridFp8NvFp4Config.get_quant
 The conditions mirror SGLang's own selection (fp8.py:397-473, modelopt_quant.py:1747-1764) plus:
 the device is sm_120 (`get_platform().is_sm120`, the fact SGLang's selection reads), the
 config belongs to a DeepSeek-V4 model (`is_dsv4_fp4_experts`, set by SGLang's loader from the
-model's architecture) and the all-to-all backend is not MegaMoE. Every other case calls
-SGLang's original.
+model's architecture) and no all-to-all backend is used (the method takes the standard dispatch
+output; DeepEP, MegaMoE and the others keep SGLang's choice). Every other case calls SGLang's
+original.
 
 Weights keep SGLang's storage (its own `create_weights` and loaders), in the checkpoint layout:
 - MXFP4: `w13_weight` int8 [E, 2I, K/2] (rows [0, I) gate, [I, 2I) up), `w2_weight` int8
@@ -41,6 +42,7 @@ import dsv4_compile.kernels.fp4_moe  # noqa: F401  (registers torch.ops.dsv4.fp4
 log = logging.getLogger("dsv4_compile")
 
 RUNNER_BACKEND_NAME = "dsv4_fp4_moe"
+GLOBAL_SCALE_RTOL = 2.0**-10
 FP8_CONFIG_TARGET = "sglang.srt.layers.quantization.fp8.Fp8Config.get_quant_method"
 HYBRID_CONFIG_TARGET = "sglang.srt.layers.quantization.modelopt_quant.HybridFp8NvFp4Config.get_quant_method"
 
@@ -75,6 +77,9 @@ class Dsv4Fp4MoEMethod:
         """Registers SGLang's FP4 expert parameters on `layer` (shapes in the module docstring)."""
         if with_bias:
             raise ValueError(f"Dsv4Fp4MoEMethod ({self.prefix}): with_bias must be False; fp4_moe has no expert bias")
+        if params_dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"Dsv4Fp4MoEMethod ({self.prefix}): params_dtype must be bfloat16 or float32 (fp4_moe's "
+                             f"activations), got {params_dtype}")
         extra = {"fp4_scale_dtype": torch.float8_e8m0fnu} if self.fmt == "mxfp4" else {}
         if self.fmt == "nvfp4":
             # FusedMoE's loaders pick their NVFP4 path by the layout method's class; this is
@@ -88,9 +93,13 @@ class Dsv4Fp4MoEMethod:
         if moe_runner_config.activation != "silu" or not moe_runner_config.is_gated:
             raise ValueError(f"Dsv4Fp4MoEMethod ({self.prefix}): activation must be gated 'silu', got "
                              f"{moe_runner_config.activation!r} (is_gated={moe_runner_config.is_gated})")
-        for name in ("gemm1_alpha", "gemm1_clamp_limit"):
+        for name in ("gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit"):
             if getattr(moe_runner_config, name, None) is not None:
                 raise ValueError(f"Dsv4Fp4MoEMethod ({self.prefix}): {name} must be None; fp4_moe clamps with swiglu_limit")
+        for name in ("apply_router_weight_on_input", "no_combine"):
+            if getattr(moe_runner_config, name, False):
+                raise ValueError(f"Dsv4Fp4MoEMethod ({self.prefix}): {name} must be False; fp4_moe weights each "
+                                 f"expert's output and sums them")
         self.moe_runner_config = moe_runner_config
         self._weights_method.moe_runner_config = moe_runner_config  # read by its loader-layout properties
         self.swiglu_limit = moe_runner_config.swiglu_limit
@@ -115,10 +124,17 @@ class Dsv4Fp4MoEMethod:
             return
         scale_2 = layer.w13_weight_scale_2.data
         if scale_2.ndim == 2:
-            if not torch.equal(scale_2[:, 0], scale_2[:, 1]):
+            gate, up = scale_2[:, 0].float(), scale_2[:, 1].float()
+            if not (gate.isfinite().all() and up.isfinite().all()):
+                raise ValueError(f"Dsv4Fp4MoEMethod ({self.prefix}): w13_weight_scale_2 holds non-finite values")
+            # fp4_moe takes one w13 global scale per expert: the gate's serves the up rows too where the two
+            # differ by at most GLOBAL_SCALE_RTOL relative (below the bf16 rounding of the activations)
+            worst = float(((gate - up).abs() / gate.abs().clamp(min=torch.finfo(torch.float32).tiny)).max())
+            if worst > GLOBAL_SCALE_RTOL:
                 raise ValueError(
-                    f"Dsv4Fp4MoEMethod ({self.prefix}): w13_weight_scale_2 differs between gate and up; "
-                    "fp4_moe takes one global scale per expert for w13 (set DSV4_COMPILE_DISABLE=1)")
+                    f"Dsv4Fp4MoEMethod ({self.prefix}): w13_weight_scale_2 differs between gate and up by up to "
+                    f"{worst:.3g} relative; fp4_moe takes one global scale per expert for w13 (at most "
+                    f"{GLOBAL_SCALE_RTOL:.3g} apart)")
             scale_2 = scale_2[:, 0]
         layer.w13_weight_scale_2 = torch.nn.Parameter(scale_2.float().contiguous(), requires_grad=False)
         layer.w13_blockscale_swizzled = None
@@ -155,7 +171,7 @@ def _sm120_dsv4_fused_moe(config: Any, layer: torch.nn.Module) -> bool:
     from sglang.srt.runtime_context import get_platform
 
     return (bool(get_platform().is_sm120) and getattr(config, "is_dsv4_fp4_experts", False)
-            and isinstance(layer, FusedMoE) and not get_moe_a2a_backend().is_megamoe())
+            and isinstance(layer, FusedMoE) and get_moe_a2a_backend().is_none())
 
 
 def _mxfp4_method(config: Any, prefix: str) -> Dsv4Fp4MoEMethod:
@@ -185,7 +201,7 @@ def hybrid_config_get_quant_method(original: Callable, config: Any, layer: torch
     from sglang.srt.layers.moe.utils import get_moe_runner_backend
     from sglang.srt.layers.quantization.modelopt_quant import ModelOptNvFp4FusedMoEMethod
 
-    if _sm120_dsv4_fused_moe(config, layer):
+    if _sm120_dsv4_fused_moe(config, layer) and not getattr(config, "dequant_fp4_to_fp8", False):
         if not config.nvfp4_config.is_layer_excluded(prefix):
             backend = get_moe_runner_backend()
             if backend.is_auto() or backend.is_flashinfer_trtllm() or backend.is_flashinfer_trtllm_routed():
