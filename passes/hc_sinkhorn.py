@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 
 import torch
 from torch.fx import Graph, Node
@@ -121,6 +122,8 @@ def _check(chain: list[_Step]) -> list[_Step]:
     require(all(a != b for a, b in zip(kinds, kinds[1:])), "two consecutive normalisations over the same dim")
     eps = {step.eps for step in chain}
     require(len(eps) == 1, f"the steps use different eps ({', '.join(map(repr, sorted(eps)))})")
+    value = next(iter(eps))
+    require(math.isfinite(value) and value >= 0, f"eps {value!r} is not a finite float >= 0 (the op's range)")
     first = kinds.index(COLUMN)
     last = len(kinds) - 1 - kinds[::-1].index(COLUMN)
     replaced = chain[first:last + 1]

@@ -208,6 +208,8 @@ class _Match:
         require(equal(shape(self.bmm.mat1)[-1], dim), "bmm does not contract the head dim")
         require(tuple(shape(self.weights)) == (batch, tokens, heads), "weights are not [B, T, H]")
         require(tuple(shape(self.visible)) == (batch, tokens), "visible is not [B, T]")
+        require(not val(self.visible).dtype.is_floating_point and val(self.visible).dtype != torch.bool,
+                 f"visible is {val(self.visible).dtype}, not an integer count")
         require(1 <= self.k <= kernel.MAX_TOPK, f"topk {self.k} > {kernel.MAX_TOPK}"
                  if self.k > kernel.MAX_TOPK else f"topk {self.k} < 1")
         for name, size, lo, hi in (("heads", heads, kernel.MIN_HEADS, kernel.MAX_HEADS),

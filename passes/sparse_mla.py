@@ -364,6 +364,8 @@ def _match(pv: Node) -> _Match:
     else:
         raise _Decline("the mask does not fill with -inf")
     mask, mask_is_valid = _mask(cond, minus_inf_when_true, (batch, tokens, keys))
+    if _val(mask).dtype != torch.bool:
+        raise _Decline(f"the mask is {_val(mask).dtype}, not bool")
     if len(_shape(mask)) != 3 or any(m not in (1, s) for m, s in zip(_shape(mask), (batch, tokens, keys))):
         raise _Decline(f"mask of shape {_shape(mask)} is not one per (b, t, k) broadcast over heads")
     if not isinstance(scaled, Node) or scaled.target != aten.mul.Tensor:

@@ -149,6 +149,17 @@ def test_different_eps_declined():
     assert declines(report) == ["the steps use different eps (1e-06, 1e-05)"]
 
 
+@pytest.mark.parametrize("eps", [-1e-3, float("inf")])
+def test_eps_outside_the_ops_range_declined(eps):
+    """eps < 0 or not finite: the op would refuse it, so the chain stays (compiling must not fail)."""
+    fn = lambda x: sinkhorn(x, (-2, -1, -2), eps=eps)  # noqa: E731
+    x = comb_input(3)
+    compiled, probe, report = compile_with_pass(fn)
+    torch.testing.assert_close(compiled(x), fn(x), equal_nan=True)
+    assert probe.rewrites == 0 and OP not in probe.targets
+    assert declines(report) == [f"eps {eps!r} is not a finite float >= 0 (the op's range)"]
+
+
 def _no_keepdim(x):
     return normalise(normalise(normalise(x, -2), -1, keepdim=False), -2)
 

@@ -156,3 +156,32 @@ def test_mm_that_is_not_a_batch_one_bmm_declined(squeeze_dim, unsqueeze_dim, rea
     assert torch.ops.dsv4.indexer_topk.default not in hook.targets
     (record,) = report.records
     assert not record.matched and reason in record.reason, record.reason
+
+
+def test_a_float_visible_count_is_declined():
+    """visible as a float (2.5 visible slots): the op takes integer lengths, so the pass declines (it
+    would truncate to 2) and the compiled graph equals eager."""
+    import torch.nn.functional as F
+    from dsv4_compile.passes import indexer as indexer_pass
+    from helpers import compile_with_probe
+
+    def fn(q, weights, k_pages, page_table, positions):
+        visible = ((positions + 1) // 4).float() + 0.5
+        batch, _, _, head_dim = q.shape
+        keys = k_pages[page_table.long()].reshape(batch, -1, head_dim)
+        logits = torch.matmul(q.float(), keys.float().transpose(-1, -2).unsqueeze(1))
+        scores = (F.relu(logits) * weights.unsqueeze(-1)).sum(dim=2)
+        slots = torch.arange(scores.shape[-1], device=scores.device)
+        scores = scores.masked_fill(slots.view(1, 1, -1) >= visible.unsqueeze(-1), float("-inf"))
+        top = scores.topk(16, dim=-1).indices
+        return torch.where(top >= visible.unsqueeze(-1), -1, top).to(torch.int32)
+
+    gen = torch.Generator().manual_seed(0)
+    args = (torch.randn(2, 2, 8, 32, generator=gen), torch.randn(2, 2, 8, generator=gen),
+            torch.randn(7, 64, 32, generator=gen), torch.randint(0, 7, (2, 3), generator=gen, dtype=torch.int32),
+            torch.tensor([[10, 13], [21, 30]]))
+    torch._dynamo.reset()
+    compiled, report, probe = compile_with_probe(fn, indexer_pass)
+    assert torch.equal(compiled(*args).sort(-1).values, fn(*args).sort(-1).values)
+    assert probe.rewrites == 0
+    assert any("not an integer count" in r.reason for r in report.records if not r.matched)
