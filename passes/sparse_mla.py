@@ -333,7 +333,9 @@ def _match(pv: Node) -> _Match:
     p = _strip(p_side)
     v_side = _strip(v_side)
     zeroed_by = None
+    zeroed_values = None  # V's own zero fill, which K may share (then it is the same node)
     if isinstance(v_side, Node) and v_side.target == aten.index_put.default and _is_full_of(v_side.args[2], 0.0):
+        zeroed_values = v_side
         zeroed_by = _strip(v_side.args[1][0]) if len(v_side.args[1]) == 1 else None
         v_side = _strip(v_side.args[0])
     if len(_shape(v_side)) != 4:
@@ -382,6 +384,8 @@ def _match(pv: Node) -> _Match:
     q = _layout_source_of_shape(q_side, (batch, tokens, heads, dim))
     k_side = _strip(k_side)
     if isinstance(k_side, Node) and k_side.target == aten.index_put.default:
+        if k_side is not zeroed_values:
+            raise _Decline("the keys are written (index_put) apart from the values' zero fill")
         k_side = _strip(k_side.args[0])
     if k_side is not v_side:
         raise _Decline("keys and values are different tensors (the op needs K == V)")
