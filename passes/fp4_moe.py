@@ -178,6 +178,8 @@ def _match(anchor: Node) -> dict:
             raise _Decline("swiglu clamp is not gate <= L and |up| <= L")
     else:
         raise _Decline(f"clamps {upper} / {lower} are not a symmetric swiglu limit")
+    with torch.no_grad():
+        _check_activation(split, act, act_region, limit)
     w13_side, x_side = bmm1.mat1, bmm1.mat2
     x = x_side
     while x.target in _VIEWS and tuple(_val(x).shape) != (tokens, hidden):
@@ -195,6 +197,40 @@ def _match(anchor: Node) -> dict:
         raise _Decline("output dtype differs from x dtype")
     return dict(x=x, ids=topk_ids, weights=routing, w13=w13, s13=s13, w2=w2, s2=s2, fmt=fmt, g13=g13, g2=g2,
                 limit=limit)
+
+
+def _check_activation(split: Node, act: Node, region: set[Node], limit: float | None) -> None:
+    """Runs the activation region (`split` of the gate/up product to `act`) on probe values that
+    reach past the clamp on both sides, and declines unless it computes the op's SwiGLU: silu of
+    the first half (clamped at limit) times the second (clamped to [-limit, limit]). The op-kind
+    checks alone let a swapped gate and up, a sigmoid gate or an extra factor through."""
+    source = _val(split.args[0])
+    if source is None or not all(isinstance(d, int) for d in source.shape):
+        return  # symbolic sizes: no probe values (the op-kind checks stand)
+    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    size = source.shape[dim]
+    sizes = split.args[1]
+    halves = [sizes, sizes] if isinstance(sizes, int) else list(sizes)
+    if size % 2 or halves != [size // 2, size // 2]:
+        raise _Decline("the gate/up split is not two halves")
+    bound = 4.0 if limit is None else 2.0 * limit
+    gen = torch.Generator().manual_seed(0)
+    probe = ((torch.rand(source.shape, generator=gen) * 2 - 1) * bound).to(source.dtype)
+    env = {split.args[0]: probe}
+    for node in [split] + [n for n in split.graph.nodes if n in region]:
+        if node.op != "call_function" or any(a not in env for a in node.all_input_nodes):
+            raise _Decline("the activation reads tensors other than the gate/up product")
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: env[a])
+        env[node] = node.target(*args, **kwargs)
+    gate, up = probe.float().split(size // 2, dim)
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    want = torch.nn.functional.silu(gate) * up
+    got = env[act].float()
+    # the activation's own dtype rounds (bf16: 2**-8 relative, a few roundings deep)
+    tolerance = 1e-5 if got.dtype == torch.float32 and _val(act).dtype == torch.float32 else 3e-2
+    if got.shape != want.shape or not torch.allclose(got, want, rtol=tolerance, atol=tolerance * bound):
+        raise _Decline("the activation is not silu(gate) * up of the gate/up halves (probe values differ)")
 
 
 def _splits_feeding(act: Node) -> list[Node]:

@@ -154,10 +154,27 @@ def _one_sided_clamp_variant(x, ids, weights, w13, s13, w2, s2, fmt, g13, g2, li
     return (out.squeeze(-1) * weights.unsqueeze(-1)).sum(dim=1)
 
 
+def _activation_variant(activation):
+    """The MoE form with `activation(gate, up, limit)` in place of the clamped SwiGLU."""
+    def variant(x, ids, weights, w13, s13, w2, s2, fmt, g13, g2, limit):
+        idx = ids.long()
+        gate_up = torch.matmul(fp4.dequantize_mxfp4(w13[idx], s13[idx], x.dtype), x[:, None, :, None]).squeeze(-1)
+        gate, up = gate_up.chunk(2, dim=-1)
+        hidden = activation(gate, up, limit)
+        out = torch.matmul(fp4.dequantize_mxfp4(w2[idx], s2[idx], x.dtype), hidden.unsqueeze(-1))
+        return (out.squeeze(-1) * weights.unsqueeze(-1)).sum(dim=1)
+    return variant
+
+
 @pytest.mark.parametrize("variant, reason", [
     (_gelu_variant, "activation"),
     (_one_sided_clamp_variant, "swiglu limit"),
-])
+    # ops the activation may hold, computing something else: only the probe values tell
+    (_activation_variant(lambda g, u, lim: F.silu(u) * g), "probe values differ"),
+    (_activation_variant(lambda g, u, lim: torch.sigmoid(g) * u), "probe values differ"),
+    (_activation_variant(lambda g, u, lim: F.silu(g) * u * 0.5), "probe values differ"),
+    (_activation_variant(lambda g, u, lim: F.silu(g.clamp(-lim, lim)) * u.clamp(max=lim)), "probe values differ"),
+], ids=["gelu", "one-sided clamp", "swapped halves", "sigmoid gate", "extra factor", "clamps swapped"])
 def test_other_math_declined(variant, reason):
     ids, weights = routing(3, seed=2)
     x = torch.randn(3, HIDDEN)
