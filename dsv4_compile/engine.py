@@ -82,17 +82,23 @@ class Engine:
         check_step_inputs(input_ids, start_pos, rows, max_batch=layout.max_batch, step_tokens=layout.step_tokens,
                           max_context=layout.max_context, vocab_size=self.vocab_size, device=self.device)
         batch = input_ids.shape[0]
-        pad = batch_bucket(batch, layout.max_batch) - batch  # the bucket's graph: padded rows write the scratch row
-        if pad:
-            input_ids = torch.cat([input_ids, input_ids.new_zeros(pad, input_ids.shape[1])])
-            start_pos = torch.cat([start_pos, start_pos.new_zeros(pad)])
-            rows = torch.cat([rows, rows.new_full((pad,), layout.scratch_row)])
-        input_ids, start_pos, rows = self._to_device(input_ids, start_pos, rows)
+        input_ids, start_pos, rows = self._to_device(*self._pad_to_bucket(input_ids, start_pos, rows))
         if self.device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()
         logits = self.compiled_step(input_ids, start_pos, rows)[:batch].clone()
         self._check_sites()
         return logits
+
+    def _pad_to_bucket(self, input_ids: torch.Tensor, start_pos: torch.Tensor,
+                       rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The batch padded to its bucket's size (the graph that runs it): id 0 at position 0 in the
+        scratch row."""
+        pad = batch_bucket(input_ids.shape[0], self.layout.max_batch) - input_ids.shape[0]
+        if not pad:
+            return input_ids, start_pos, rows
+        return (torch.cat([input_ids, input_ids.new_zeros(pad, input_ids.shape[1])]),
+                torch.cat([start_pos, start_pos.new_zeros(pad)]),
+                torch.cat([rows, rows.new_full((pad,), self.layout.scratch_row)]))
 
     def _to_device(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The step's inputs on the engine's device, contiguous (the compiled graphs guard on strides)."""
@@ -200,13 +206,8 @@ class Engine:
         """Runs `step` (default: the compiled step) on a batch padded to its bucket; returns the
         argmax [B, T] on the host."""
         batch = len(input_ids)
-        bucket = batch_bucket(batch, self.layout.max_batch)
-        width = len(input_ids[0])
-        pad = bucket - batch
-        ids, start, row_ids = self._to_device(
-            torch.tensor(input_ids + [[0] * width] * pad, dtype=torch.int64),
-            torch.tensor(start_pos + [0] * pad, dtype=torch.int64),
-            torch.tensor(rows + [self.layout.scratch_row] * pad, dtype=torch.int64))
+        ids, start, row_ids = self._to_device(*self._pad_to_bucket(*(
+            torch.tensor(values, dtype=torch.int64) for values in (input_ids, start_pos, rows))))
         if step is None:
             step = self.compiled_step
             if self.device.type == "cuda":

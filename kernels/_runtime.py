@@ -80,10 +80,8 @@ def pdl_launch(t: torch.Tensor, release: bool) -> dict:
 def wait_for_producers(PDL: tl.constexpr):
     """PDL_WAIT / PDL_WAIT_RELEASE: blocks until the kernels launched before this one have finished
     and their writes are visible; PDL_WAIT_RELEASE then lets the next kernel's programs launch."""
-    if PDL != _OFF:
-        gdc_wait()
-        if PDL == _WAIT_RELEASE:
-            gdc_launch_dependents()
+    wait_without_release(PDL)
+    release_in_mode(PDL)
 
 
 @triton.jit
