@@ -32,11 +32,15 @@ MIN_HEADS, MAX_HEADS = 4, 128
 MAX_HEAD_DIM = 256
 _Q_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.float32)
 _K_DTYPES = (torch.float8_e4m3fn, torch.bfloat16, torch.float32)
-# Register cap of the scoring kernel with fp8 dots, by its warps (sm_90 cross-compiles, H=64,
-# 2-3 stages, no spills when capped: T=1 at 4 warps takes 79 uncapped, 72 capped, so
-# 7 programs an SM fit instead of 6; T=4 at 8 warps 150-154 uncapped, 128 capped: 2 instead
-# of 1). bf16 dots spill 200+ B under these caps, so they run uncapped.
-FP8_SCORE_MAX_REGS = {4: 72, 8: 128}
+# Register cap of the scoring kernel with fp8 dots, by compute capability and warps. Chosen on
+# sm_90 (H=64, 2-3 stages) when T=1 at 4 warps took 79 uncapped (72 capped: 7 programs an SM
+# instead of 6) and T=4 at 8 warps 150-154 (128: 2 instead of 1); bf16 dots spill 200+ B under
+# them, so they run uncapped. Cross-compiled again in the twenty-ninth session for sm_90
+# (B=64, H=64, D=128, 3 stages), it takes 72 / 127 uncapped, within the caps. Other GPUs run uncapped:
+# under sm_90's caps sm_120 spills 124 B at T=1 and 8 B at T=4, sm_100 36 and 252 B, sm_89 88 and
+# 24 B, and uncapped none spills; on sm_120 and sm_89 (about 100 KB of shared memory an SM) the
+# kernel's 25 KB (T=1) and 57 KB (T=4) of shared memory hold an SM to 3 and 1 programs anyway.
+FP8_SCORE_MAX_REGS = {(9, 0): {4: 72, 8: 128}}
 # The scoring loop loads the next page's id while it scores the current page (the sm_90 TTGIR
 # of the plain loop loads it right before the next page's key copy, exposing its latency).
 DEFAULT_ID_AHEAD = True
@@ -358,6 +362,17 @@ def _token_block(tokens: int, heads_block: int) -> int:
     return max(block, triton.next_power_of_2(max(1, 16 // heads_block)))
 
 
+def fp8_score_register_cap(capability: tuple[int, int] | None, warps: int) -> int:
+    """The scoring kernel's register cap a thread with fp8 dots on a GPU of `capability` launched
+    with `warps` warps (FP8_SCORE_MAX_REGS); 0 (no cap) where none was chosen."""
+    return FP8_SCORE_MAX_REGS.get(capability, {}).get(warps, 0)
+
+
+def _capability(t: torch.Tensor) -> tuple[int, int] | None:
+    """The compute capability of `t`'s CUDA device, None off CUDA."""
+    return tuple(torch.cuda.get_device_capability(t.device)) if t.is_cuda else None
+
+
 def default_splits(batch: int, max_pages: int, device: torch.device) -> int:
     """Programs per request in the scoring grid: about 16 per SM over the batch (measured on
     the H200: more programs keep more key pages in flight)."""
@@ -393,7 +408,7 @@ def indexer_scores_triton(
     Arguments as `indexer_topk_triton`; `workspace` may be a caller's contiguous
     [B, T, max_pages * 64] f32 tensor; num_warps and num_stages (default FP8_SCORE_STAGES for
     fp8 dots, else 2) override the launch config.
-    `max_regs` caps the registers a thread (default FP8_SCORE_MAX_REGS by warps for fp8 dots,
+    `max_regs` caps the registers a thread (default `fp8_score_register_cap` for fp8 dots,
     else none; 0: no cap);
     `id_ahead` loads each next page's id one page ahead; `scale_ahead` each next page's key
     scales one page ahead (and the ids two; `id_ahead` is then ignored), `pin_ids` keeps the
@@ -413,7 +428,7 @@ def indexer_scores_triton(
     fp8 = dot_dtype == tl.float8e4nv
     stages = num_stages or (FP8_SCORE_STAGES if fp8 else 2)
     if max_regs is None:
-        max_regs = FP8_SCORE_MAX_REGS.get(warps, 0) if fp8 else 0
+        max_regs = fp8_score_register_cap(_capability(q), warps) if fp8 else 0
     has_scale = k_scale is not None
     ks = k_scale if has_scale else k_cache  # unused pointer when there is no scale
     ks_strides = (k_scale.stride(0), k_scale.stride(1)) if has_scale else (0, 0)

@@ -291,3 +291,44 @@ def test_fp8_scoring_compiles_for_small_head_dims():
     from helpers import run_compiled_script
     rows = run_compiled_script(_FP8_SCORING_CROSS_COMPILE, mod.__file__)
     assert rows == [[str(d), str(c), str(max(d, 32))] for d in (16, 32, 128) for c in (90, 120)]
+
+
+_FP8_SCORING_REGISTERS = """
+import sys, torch, triton.language as tl
+sys.path[:0] = ["bench"]
+from bench_sparse_mla import compiled_stats, launch_recorder
+from dsv4_compile.kernels import indexer_topk as mod
+print("module", mod.__file__)
+launches = []
+mod._score_pages_kernel = launch_recorder(mod._score_pages_kernel, launches)
+mod._dot_dtype = lambda q, k_cache: (tl.float8e4nv, None)  # fp8 q and keys, as on a GPU
+fp8 = torch.float8_e4m3fn
+for cap in (90, 120):
+    mod._capability = lambda q: (cap // 10, cap % 10)  # the launcher's plan on that GPU
+    for tokens in (1, 4):
+        launches.clear()
+        batch, heads, dim = 64, 64, 128
+        mod.indexer_scores_triton(torch.zeros(batch, tokens, heads, dim).to(fp8), torch.zeros(batch, tokens, heads),
+                                  torch.zeros(8, 64, dim).to(fp8), torch.ones(8, 64),
+                                  torch.zeros(batch, 2048, dtype=torch.int32),
+                                  torch.full((batch, tokens), 100, dtype=torch.int32), 512)
+        launch = launches[0]
+        launch.meta.update(FOR_LOOPS=True, PIN_IDS=True)
+        stats = compiled_stats(launch, cap)
+        print(cap, tokens, launch.meta["num_warps"], launch.meta["maxnreg"], stats["regs"], stats["spill_stores"])
+"""
+
+
+def test_fp8_scoring_register_caps_do_not_spill():
+    """The scoring kernel's register cap with fp8 dots at real size (B=64, H=64, D=128, T=1 and 4), as
+    the launcher plans it for sm_90 and sm_120, cross-compiled (ptxas -v): sm_90 takes its caps
+    (FP8_SCORE_MAX_REGS) and sm_120 none, and neither spills (sm_90's caps on sm_120 spilled 124 B at
+    T=1). Only a compile shows registers; the interpreter has none."""
+    from helpers import run_compiled_script
+    rows = run_compiled_script(_FP8_SCORING_REGISTERS, mod.__file__)
+    caps = {(int(cap), int(tokens)): maxnreg for cap, tokens, _, maxnreg, _, _ in rows}
+    assert caps == {(90, 1): "72", (90, 4): "128", (120, 1): "None", (120, 4): "None"}
+    for cap, tokens, warps, maxnreg, regs, spills in rows:
+        assert mod.fp8_score_register_cap((int(cap) // 10, int(cap) % 10), int(warps)) == (
+            0 if maxnreg == "None" else int(maxnreg))
+        assert int(spills) == 0, (cap, tokens, regs)
