@@ -107,6 +107,8 @@ def sg():
         plugins="sglang.srt.plugins",
         hooks="sglang.srt.plugins.hook_registry",
         compile_decoration="sglang.srt.compilation.torch_compile_decoration",
+        loader="sglang.srt.model_loader.loader",
+        weight_updater="sglang.srt.model_executor.model_runner_components.weight_updater",
     )
     with _torchvision_placeholder(), _image_processor_registry_off():
         return types.SimpleNamespace(**{key: importlib.import_module(name) for key, name in names.items()})
@@ -322,7 +324,7 @@ def test_nvfp4_gate_and_up_global_scales_close_enough(sg, model_dir, plugin_load
             ckpt[e, "w3", "weight_scale_2"] = up_scale(ckpt[e, "w3", "weight_scale_2"])
         if loads:
             load_checkpoint(layer, ckpt)
-            assert torch.equal(layer.w13_weight_scale_2, op_layout["w13_global"])
+            assert torch.equal(getattr(layer, sglang_moe.W13_GLOBAL_PARAM), op_layout["w13_global"])
         else:
             with pytest.raises(ValueError, match="w13_weight_scale_2"):
                 load_checkpoint(layer, ckpt)
@@ -367,3 +369,100 @@ def test_other_activation_is_rejected(sg, model_dir, plugin_loaded):
             sg.fused_moe.FusedMoE(num_experts=EXPERTS, hidden_size=HIDDEN, intermediate_size=INTER, layer_id=0,
                                   top_k=TOP_K, quant_config=dsv4_fp8_config(sg), prefix=TARGET_PREFIX,
                                   activation="gelu", params_dtype=torch.bfloat16)
+
+
+class _ExpertsModel(torch.nn.Module):
+    """What SGLang's weight loading sees of a model: a module with a quant_method, and load_weights
+    sending checkpoint names to FusedMoE's weight loader through FusedMoE.make_expert_params_mapping,
+    as DeepSeek-V4's load_weights does."""
+
+    def __init__(self, sg, experts):
+        super().__init__()
+        self.experts = experts
+        self.mapping = sg.fused_moe.FusedMoE.make_expert_params_mapping("w1", "w2", "w3", EXPERTS)
+
+    def load_weights(self, weights):
+        params = dict(self.named_parameters())
+        for name, tensor in weights:
+            param_prefix, weight_prefix, expert, shard = next(m for m in self.mapping if name.startswith(m[1]))
+            self.experts.weight_loader(params[name.replace(weight_prefix, param_prefix)], tensor, name, shard, expert)
+
+
+def named_weights(ckpt):
+    """random_checkpoint's tensors under the checkpoint names SGLang's loaders see."""
+    return [(f"experts.{expert}.{shard}.{suffix}", tensor) for (expert, shard, suffix), tensor in ckpt.items()]
+
+
+def initial_load(sg, model, ckpt):
+    """SGLang's start-up load: DefaultModelLoader.load_weights_and_postprocess."""
+    sg.loader.DefaultModelLoader.load_weights_and_postprocess(model, iter(named_weights(ckpt)), torch.device("cpu"))
+
+
+def reload_from_disk(sg, model, ckpt):
+    """WeightUpdater.update_weights_from_disk's load: restore, then load and post-process."""
+    sg.loader.DefaultModelLoader.restore_weights_before_loading(model, torch.device("cpu"))
+    sg.loader.DefaultModelLoader.load_weights_and_postprocess(model, iter(named_weights(ckpt)), torch.device("cpu"))
+
+
+def reload_in_session(sg, model, ckpt):
+    """update_weights_from_tensor's session: WeightUpdater.begin_weight_update, the model's
+    load_weights (load_format None), end_weight_update after a load."""
+    updater = sg.weight_updater.WeightUpdater(
+        tp_rank=0, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders={}, get_model=lambda: model,
+        update_model_fields=None, recapture_cuda_graph=None, get_model_runner=None)
+    updater.begin_weight_update()
+    model.load_weights(named_weights(ckpt))
+    updater.end_weight_update(run_post_load=False)
+
+
+def layer_inputs(seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(TOKENS, HIDDEN, generator=gen).bfloat16()
+    topk_ids = torch.randint(0, EXPERTS, (TOKENS, TOP_K), generator=gen, dtype=torch.int32)
+    return x, topk_ids, torch.rand(TOKENS, TOP_K, generator=gen) + 0.1
+
+
+@pytest.mark.parametrize("reload", [reload_from_disk, reload_in_session], ids=["disk", "session"])
+@pytest.mark.parametrize("fmt, make_config, prefix", [
+    ("mxfp4", dsv4_fp8_config, TARGET_PREFIX),
+    ("mxfp4", dsv4_hybrid_config, DRAFT_PREFIX),
+    ("nvfp4", dsv4_hybrid_config, TARGET_PREFIX),
+])
+def test_in_place_reload_computes_like_a_fresh_load(sg, model_dir, plugin_loaded, fmt, make_config, prefix, reload):
+    """After an in-place reload through SGLang's own paths the layer computes exactly as a layer
+    freshly loaded with the new weights, on the same storage (what captured graphs read)."""
+    runner = "flashinfer_mxfp4" if make_config is dsv4_fp8_config else "flashinfer_trtllm_routed"
+    inputs = layer_inputs(31)
+    with sglang_runtime(sg, model_dir, runner):
+        model = _ExpertsModel(sg, build_layer(sg, make_config(sg), prefix))
+        initial_load(sg, model, random_checkpoint(fmt, seed=32)[0])
+        old = run_layer(sg, model.experts, *inputs)
+        storage = {name: p.data_ptr() for name, p in model.experts.named_parameters()}
+
+        reload(sg, model, random_checkpoint(fmt, seed=33)[0])
+        reloaded = run_layer(sg, model.experts, *inputs)
+        assert {name: p.data_ptr() for name, p in model.experts.named_parameters()} == storage
+
+        fresh_model = _ExpertsModel(sg, build_layer(sg, make_config(sg), prefix))
+        initial_load(sg, fresh_model, random_checkpoint(fmt, seed=33)[0])
+        fresh = run_layer(sg, fresh_model.experts, *inputs)
+    assert torch.equal(reloaded, fresh)
+    assert not torch.equal(reloaded, old)
+
+
+def test_failed_nvfp4_reload_leaves_no_stale_layer(sg, model_dir, plugin_loaded):
+    """A reload whose gate and up globals disagree raises; the layer then refuses to compute (its
+    derived global, which captured graphs read, is NaN) until a valid reload, like SGLang's own
+    rollback after a failed update_weights_from_disk."""
+    inputs = layer_inputs(41)
+    with sglang_runtime(sg, model_dir, "flashinfer_trtllm_routed"):
+        model = _ExpertsModel(sg, build_layer(sg, dsv4_hybrid_config(sg), TARGET_PREFIX))
+        initial_load(sg, model, random_checkpoint("nvfp4", seed=42)[0])
+        before = run_layer(sg, model.experts, *inputs)
+        with pytest.raises(ValueError, match="w13_weight_scale_2 differs between gate and up"):
+            reload_from_disk(sg, model, random_checkpoint("nvfp4", seed=43, split_global=True)[0])
+        assert getattr(model.experts, sglang_moe.W13_GLOBAL_PARAM).isnan().all()
+        with pytest.raises(RuntimeError, match="last weight load failed.*w13_weight_scale_2 differs"):
+            run_layer(sg, model.experts, *inputs)
+        reload_from_disk(sg, model, random_checkpoint("nvfp4", seed=42)[0])  # the rollback
+        assert torch.equal(run_layer(sg, model.experts, *inputs), before)

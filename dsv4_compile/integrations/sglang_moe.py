@@ -22,10 +22,19 @@ Weights keep SGLang's storage (its own `create_weights` and loaders), in the che
   [E, K, I/2], `w*_weight_scale_inv` float8_e8m0fnu [E, rows, cols/32], as SGLang's CUTLASS
   method stores them. The op gets uint8 views of all four: no repacking.
 - NVFP4: `w13_weight` uint8 [E, 2I, K/2], `w*_weight_scale` e4m3 [E, rows, cols/16] (views),
-  `w13_weight_scale_2` [E, 2] f32 (gate, up) and `w2_weight_scale_2` [E] f32. At load the op's
-  one w13 global scale per expert replaces `w13_weight_scale_2` (an [E] f32 copy), which needs
-  gate and up to share it; the swizzled block-scale copies SGLang allocates are freed.
-  Activations stay bf16 (W4A16), so the checkpoint's input scales are not used.
+  `w13_weight_scale_2` [E, 2] f32 (gate, up) and `w2_weight_scale_2` [E] f32. The op takes one
+  w13 global scale per expert, which needs gate and up to share it: after each load it is derived
+  into its own parameter `W13_GLOBAL_PARAM` [E] f32; the swizzled block-scale copies SGLang
+  allocates are freed. Activations stay bf16 (W4A16), so the checkpoint's input scales are not used.
+
+In-place reloads (SGLang's update_weights_from_disk, and the begin/end_weight_update sessions of
+update_weights_from_tensor / _distributed) rerun the loaders on the same parameters and then
+`process_weights_after_loading`, as SGLang's own FP4 methods expect: every parameter a loader
+writes keeps its checkpoint shape, so no restore step is needed (SGLang calls
+`restore_weights_before_loading` only on QuantizeMethodBase subclasses), and the derived global is
+rewritten in place, so graphs captured on its storage read the new values. A load whose gate and
+up globals disagree raises; until a valid load, the derived global is NaN and `apply` raises,
+since some of SGLang's paths (the checkpoint-engine IPC hook) only log that error.
 
 The routed scaling factor is folded into the top-k weights (`fuse_routed_scaling_factor_in_topk`),
 as the op expects final routing weights.
@@ -43,6 +52,7 @@ log = logging.getLogger("dsv4_compile")
 
 RUNNER_BACKEND_NAME = "dsv4_fp4_moe"
 GLOBAL_SCALE_RTOL = 2.0**-10
+W13_GLOBAL_PARAM = "dsv4_w13_global_scale"  # NVFP4: fp4_moe's one w13 global scale per expert, [E] f32
 FP8_CONFIG_TARGET = "sglang.srt.layers.quantization.fp8.Fp8Config.get_quant_method"
 HYBRID_CONFIG_TARGET = "sglang.srt.layers.quantization.modelopt_quant.HybridFp8NvFp4Config.get_quant_method"
 
@@ -70,6 +80,7 @@ class Dsv4Fp4MoEMethod:
             weights_method.use_flashinfer_trtllm_weight_layout = False
         self.runner = None
         self.swiglu_limit: float | None = None
+        self.load_error: str | None = None  # why the last NVFP4 load failed, until a load succeeds
 
     def create_weights(self, layer: torch.nn.Module, num_experts: int, hidden_size: int,
                        intermediate_size_per_partition: int, params_dtype: torch.dtype,
@@ -119,26 +130,44 @@ class Dsv4Fp4MoEMethod:
         return requested_method
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        """NVFP4 only: one w13 global scale per expert, and the swizzled scale copies freed."""
+        """NVFP4 only: derives `W13_GLOBAL_PARAM` [E] f32 from `w13_weight_scale_2` [E, 2] in place,
+        and frees the swizzled scale copies. Raises ValueError (and poisons the layer) when gate and
+        up globals are not finite or differ by more than GLOBAL_SCALE_RTOL."""
+        from sglang.srt.layers.utils.common import copy_or_rebind_param
+
         if self.fmt == "mxfp4":
             return
-        scale_2 = layer.w13_weight_scale_2.data
-        if scale_2.ndim == 2:
-            gate, up = scale_2[:, 0].float(), scale_2[:, 1].float()
-            if not (gate.isfinite().all() and up.isfinite().all()):
-                raise ValueError(f"Dsv4Fp4MoEMethod ({self.prefix}): w13_weight_scale_2 holds non-finite values")
-            # fp4_moe takes one w13 global scale per expert: the gate's serves the up rows too where the two
-            # differ by at most GLOBAL_SCALE_RTOL relative (below the bf16 rounding of the activations)
-            worst = float(((gate - up).abs() / gate.abs().clamp(min=torch.finfo(torch.float32).tiny)).max())
-            if worst > GLOBAL_SCALE_RTOL:
-                raise ValueError(
-                    f"Dsv4Fp4MoEMethod ({self.prefix}): w13_weight_scale_2 differs between gate and up by up to "
-                    f"{worst:.3g} relative; fp4_moe takes one global scale per expert for w13 (at most "
-                    f"{GLOBAL_SCALE_RTOL:.3g} apart)")
-            scale_2 = scale_2[:, 0]
-        layer.w13_weight_scale_2 = torch.nn.Parameter(scale_2.float().contiguous(), requires_grad=False)
+        try:
+            w13_global = self._shared_w13_global(layer.w13_weight_scale_2.data)
+        except ValueError as error:
+            self._poison(layer, str(error))
+            raise
+        copy_or_rebind_param(layer, W13_GLOBAL_PARAM, w13_global)  # in place from the second load on
+        self.load_error = None
         layer.w13_blockscale_swizzled = None
         layer.w2_blockscale_swizzled = None
+
+    def _shared_w13_global(self, scale_2: torch.Tensor) -> torch.Tensor:
+        """[E, 2] f32 (gate, up) -> the gate's [E] f32, which serves the up rows too where the two
+        differ by at most GLOBAL_SCALE_RTOL relative (below the bf16 rounding of the activations)."""
+        gate, up = scale_2[:, 0].float(), scale_2[:, 1].float()
+        if not (gate.isfinite().all() and up.isfinite().all()):
+            raise ValueError(f"Dsv4Fp4MoEMethod ({self.prefix}): w13_weight_scale_2 holds non-finite values")
+        worst = float(((gate - up).abs() / gate.abs().clamp(min=torch.finfo(torch.float32).tiny)).max())
+        if worst > GLOBAL_SCALE_RTOL:
+            raise ValueError(
+                f"Dsv4Fp4MoEMethod ({self.prefix}): w13_weight_scale_2 differs between gate and up by up to "
+                f"{worst:.3g} relative; fp4_moe takes one global scale per expert for w13 (at most "
+                f"{GLOBAL_SCALE_RTOL:.3g} apart)")
+        return gate.contiguous()
+
+    def _poison(self, layer: torch.nn.Module, reason: str) -> None:
+        """After a failed load the weights may be new and the derived global old: NaN makes graphs
+        captured on it compute NaN rather than plausible values, and `apply` raises."""
+        self.load_error = reason
+        w13_global = getattr(layer, W13_GLOBAL_PARAM, None)
+        if w13_global is not None:
+            w13_global.data.fill_(float("nan"))
 
     def expert_tensors(self, layer: torch.nn.Module) -> dict[str, Any]:
         """The op's weight arguments, as views of `layer`'s parameters (see the module docstring)."""
@@ -148,13 +177,16 @@ class Dsv4Fp4MoEMethod:
                         fmt="mxfp4", w13_global=None, w2_global=None)
         return dict(w13=layer.w13_weight.view(torch.uint8), w13_scale=layer.w13_weight_scale,
                     w2=layer.w2_weight.view(torch.uint8), w2_scale=layer.w2_weight_scale,
-                    fmt="nvfp4", w13_global=layer.w13_weight_scale_2, w2_global=layer.w2_weight_scale_2)
+                    fmt="nvfp4", w13_global=getattr(layer, W13_GLOBAL_PARAM), w2_global=layer.w2_weight_scale_2)
 
     def apply(self, layer: torch.nn.Module, dispatch_output: Any) -> Any:
         """hidden_states [M, K] bf16 and a standard top-k output -> StandardCombineInput([M, K])."""
         from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
         from sglang.srt.layers.moe.topk import TopKOutputChecker
 
+        if self.load_error is not None:
+            raise RuntimeError(f"Dsv4Fp4MoEMethod ({self.prefix}): the last weight load failed and the layer holds "
+                               f"no consistent weights; load valid weights first ({self.load_error})")
         topk_output = dispatch_output.topk_output
         if not TopKOutputChecker.format_is_standard(topk_output):
             raise ValueError(f"Dsv4Fp4MoEMethod ({self.prefix}): needs the standard top-k output, got {topk_output.format}")
