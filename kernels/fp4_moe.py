@@ -1316,6 +1316,12 @@ DEFAULT_CONFIGS = {
     "dot16": TileConfig("dot", 16, 64, 128, num_warps=4, num_stages=2),
     "dot64": TileConfig("dot", 64, 64, 128, num_warps=4, num_stages=2),
 }
+# The configs that differ off sm_90, where tl.dot has no wgmma (the H200 chose DEFAULT_CONFIGS with it).
+# The dot path's 64-row class on 128-column K steps, cross-compiled at K=4096, I=2048 (twenty-ninth
+# session), spills on sm_120 (gate/up 628 B MXFP4 / 188 B NVFP4 dequantised, 44 B with tl.dot_scaled;
+# down 32-116 B), sm_89 and sm_80 (up to 688 B), and sm_100's tl.dot_scaled down kernel (84 B); on
+# 64-column steps none spills there (sm_89's MXFP4 gate/up 20 B). Not timed on any of these GPUs.
+OFF_SM90_CONFIGS = {"dot64": TileConfig("dot", 64, 64, 64, num_warps=4, num_stages=2)}
 
 
 def size_class(pairs: int, experts: int, fmt: str, native_fp4: bool = False, mma_fits: bool = True) -> str:
@@ -1334,10 +1340,17 @@ def size_class(pairs: int, experts: int, fmt: str, native_fp4: bool = False, mma
     return "mma_few" if pairs <= FEW_MAX_PAIRS and 4 * pairs <= experts else "mma_small"
 
 
+def takes_sm90_configs(x: torch.Tensor) -> bool:
+    """Whether launches on x's device take DEFAULT_CONFIGS unchanged: on sm_90, and under the interpreter."""
+    return not x.is_cuda or tuple(torch.cuda.get_device_capability(x.device)) == (9, 0)
+
+
 def choose_config(pairs: int, experts: int, fmt: str, native_fp4: bool = False,
-                  mma_fits: bool = True) -> TileConfig:
-    """The launch configuration for M*k = `pairs` pairs over `experts` experts (see size_class)."""
-    return DEFAULT_CONFIGS[size_class(pairs, experts, fmt, native_fp4, mma_fits)]
+                  mma_fits: bool = True, sm90: bool = True) -> TileConfig:
+    """The launch configuration for M*k = `pairs` pairs over `experts` experts (see size_class);
+    `sm90`: the GPU is sm_90 (or the interpreter runs the kernels), else OFF_SM90_CONFIGS apply."""
+    name = size_class(pairs, experts, fmt, native_fp4, mma_fits)
+    return DEFAULT_CONFIGS[name] if sm90 else OFF_SM90_CONFIGS.get(name, DEFAULT_CONFIGS[name])
 
 
 # The mma path applies a ue8m0 scale as a bf16 factor scale * 2**62 (MMA path comment), finite up to
@@ -1437,7 +1450,8 @@ def fp4_moe_pairs_triton(
         use_dot_scaled = native_fp4
     use_dot_scaled = use_dot_scaled and not tiled
     if config is None:
-        config = choose_config(pairs, experts, fmt, native_fp4, mma_fits=hidden % 32 == 0 and inter % 32 == 0)
+        config = choose_config(pairs, experts, fmt, native_fp4, mma_fits=hidden % 32 == 0 and inter % 32 == 0,
+                               sm90=takes_sm90_configs(x))
         if interpreted:
             config = interpreter_shape(config, hidden, inter)
     group = GROUP[fmt]

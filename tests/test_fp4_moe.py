@@ -414,6 +414,23 @@ def test_size_class_rule(tokens, mxfp4, nvfp4, mxfp4_native):
         assert config.path == expected[:3] if expected != "gemv" else config.path == "gemv"
 
 
+@pytest.mark.parametrize("capability, sm90", [((9, 0), True), ((12, 0), False), ((10, 0), False), ((8, 9), False)])
+def test_prefill_class_off_sm90_takes_64_column_k_steps(monkeypatch, capability, sm90):
+    """Off sm_90 the 64-row dot class (prefill) takes OFF_SM90_CONFIGS (64-column K steps; see
+    test_dot64_configs_do_not_spill); every other class, sm_90 and the interpreter keep DEFAULT_CONFIGS."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    cuda_like = type("CudaLike", (), {"is_cuda": True, "device": "cuda:0"})()
+    assert moe.takes_sm90_configs(cuda_like) == sm90
+    assert moe.takes_sm90_configs(torch.zeros(1))
+    for pairs in (6, 48, 384, 1536, 4098, 24576):
+        for fmt, native in (("mxfp4", False), ("nvfp4", False), ("mxfp4", True)):
+            name = moe.size_class(pairs, 256, fmt, native)
+            config = moe.choose_config(pairs, 256, fmt, native, sm90=sm90)
+            off = not sm90 and name == "dot64"
+            assert config == (moe.OFF_SM90_CONFIGS[name] if off else moe.DEFAULT_CONFIGS[name]), (pairs, fmt, native)
+    assert dataclasses.replace(moe.OFF_SM90_CONFIGS["dot64"], block_k=128) == moe.DEFAULT_CONFIGS["dot64"]
+
+
 @pytest.mark.parametrize("pairs, experts, expected", [(8, 256, "mma_token"), (9, 256, "mma_few"),
                                                       (24, 256, "mma_few"), (25, 256, "mma_small"),
                                                       (48, 256, "mma_small"),
@@ -586,6 +603,57 @@ def test_mma_defaults_cross_compile_for_sm90_and_sm120():
         assert int(shared) <= 101_376
         assert (int(asm_loads) > 0) == (asm == "True"), (fmt, asm, kernel, cap, asm_loads)
         assert maxnreg == want_caps[kernel], (fmt, asm, kernel, cap, maxnreg)
+
+
+_DOT64_CROSS_COMPILE = """
+import sys, torch, triton.language as tl
+sys.path[:0] = ["bench"]
+from bench_sparse_mla import compiled_stats, launch_recorder
+from dsv4_compile.kernels import fp4_moe as moe
+print("module", moe.__file__)
+launches = []
+for name in ("_gate_up_kernel", "_down_kernel"):
+    setattr(moe, name, launch_recorder(getattr(moe, name), launches))
+moe.expert_blocks = lambda ids, experts, block_m, ready=None: tuple(torch.zeros(n, dtype=torch.int32)
+                                                                    for n in (12, 4, 4, 4))
+hidden, inter = 4096, 2048  # V4-Flash's expert sizes, two experts
+for fmt in ("mxfp4", "nvfp4"):
+    group, dtype = moe.GROUP[fmt], torch.uint8 if fmt == "mxfp4" else torch.float8_e4m3fn
+    w13 = torch.zeros(2, 2 * inter, hidden // 2, dtype=torch.uint8)
+    w2 = torch.zeros(2, hidden, inter // 2, dtype=torch.uint8)
+    s13 = torch.zeros(2, 2 * inter, hidden // group, dtype=dtype)
+    s2 = torch.zeros(2, hidden, inter // group, dtype=dtype)
+    glob = None if fmt == "mxfp4" else torch.ones(2)
+    # sm_120 takes tl.dot_scaled on row-major MXFP4 (native_fp4_dot), and dequantises tiled experts
+    for cap, dot_scaled in ((90, False), (120, False)) + (((120, True),) if fmt == "mxfp4" else ()):
+        launches.clear()
+        config = moe.choose_config(24576, 256, fmt, dot_scaled, sm90=cap == 90)
+        moe.fp4_moe_pairs_triton(torch.zeros(2, hidden, dtype=torch.bfloat16), torch.zeros(2, 6, dtype=torch.int32),
+                                 torch.ones(2, 6), w13, s13, w2, s2, fmt, glob, glob, None, config=config,
+                                 use_dot_scaled=dot_scaled)
+        for launch in launches:
+            launch.meta.update(DOT_DTYPE=tl.bfloat16)  # as the launcher passes it on a GPU
+            stats = compiled_stats(launch, cap)
+            print(fmt, cap, dot_scaled, launch.kernel.fn.__name__, config.block_k, stats["spill_stores"],
+                  stats["shared"])
+"""
+
+
+def test_dot64_configs_do_not_spill():
+    """The prefill class (64-row dot blocks) at V4-Flash's expert sizes, compiled (ptxas -v) with the
+    config each GPU takes: DEFAULT_CONFIGS' 128-column K steps on sm_90 (wgmma), OFF_SM90_CONFIGS' 64
+    on sm_120, dequantised and (row-major MXFP4) with tl.dot_scaled. No kernel spills (128-column steps
+    spilled up to 628 B on sm_120) and all fit sm_120's 101,376 B of shared memory."""
+    rows = run_compiled_script(_DOT64_CROSS_COMPILE, moe.__file__)
+    assert sorted(tuple(r[:4]) for r in rows) == sorted(
+        (fmt, cap, scaled, kernel) for fmt, cap, scaled in (("mxfp4", "90", "False"), ("mxfp4", "120", "False"),
+                                                            ("mxfp4", "120", "True"), ("nvfp4", "90", "False"),
+                                                            ("nvfp4", "120", "False"))
+        for kernel in ("_gate_up_kernel", "_down_kernel"))
+    for fmt, cap, scaled, kernel, block_k, spills, shared in rows:
+        assert int(block_k) == (128 if cap == "90" else 64)
+        assert int(spills) == 0, (fmt, cap, scaled, kernel)
+        assert int(shared) <= 101_376
 
 
 @pytest.mark.parametrize("config, interpreted, want", [
