@@ -257,23 +257,27 @@ def launch_recorder(kernel, launches: list):
 
 def compiled_stats(launch, capability: int) -> dict:
     """Cross-compiles one launch for sm_<capability> (`cross_compile`); returns shared memory (bytes,
-    Triton's metadata) and registers / spill bytes a thread (ptxas -v on the kernel's PTX)."""
+    Triton's metadata) and registers / spill bytes a thread (`ptxas_stats`)."""
     compiled = cross_compile(launch, capability)
-    stats = {"shared": int(compiled.metadata.shared)}
+    return {"shared": int(compiled.metadata.shared), **ptxas_stats(compiled.asm["ptx"], capability)}
+
+
+def ptxas_stats(ptx: str, capability: int) -> dict:
+    """Registers and spill bytes a thread of one kernel's PTX, assembled for sm_<capability> by the
+    ptxas Triton ships (`ptxas -v`): {regs, spill_stores, spill_loads} (-1 where ptxas reports none)."""
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / (
         "ptxas-blackwell" if capability >= 100 else "ptxas")
     arch = f"sm_{capability}a" if capability >= 90 else f"sm_{capability}"
     with tempfile.TemporaryDirectory() as tmp:
-        ptx = Path(tmp) / "k.ptx"
-        ptx.write_text(compiled.asm["ptx"])
-        log = subprocess.run([str(ptxas), "-v", f"--gpu-name={arch}", str(ptx), "-o", str(Path(tmp) / "k.o")],
+        path = Path(tmp) / "k.ptx"
+        path.write_text(ptx)
+        log = subprocess.run([str(ptxas), "-v", f"--gpu-name={arch}", str(path), "-o", str(Path(tmp) / "k.o")],
                              capture_output=True, text=True, check=True).stderr
     regs = re.search(r"Used (\d+) registers", log)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    stats.update(regs=int(regs.group(1)) if regs else -1,
-                 spill_stores=int(spills.group(1)) if spills else -1,
-                 spill_loads=int(spills.group(2)) if spills else -1)
-    return stats
+    return {"regs": int(regs.group(1)) if regs else -1,
+            "spill_stores": int(spills.group(1)) if spills else -1,
+            "spill_loads": int(spills.group(2)) if spills else -1}
 
 
 def sm120_shared(launch) -> int:

@@ -244,9 +244,9 @@ def _kernel_bench_sections(results: dict) -> list[str]:
     met, summary = shared_memory_verdict(rows)
     lines += ["", f"Shared memory <= 101,376 B for every compiled config (the benches' reports, and every config "
                   f"of the dsv4 kernels compiled in this run cross-compiled for sm_120): {_verdict(met)} ({summary})",
-              "", "| source | config | shared B | status |", "|---|---|---|---|"]
+              "", "| source | config | shared B | registers / spill B (sm_120) | status |", "|---|---|---|---|---|"]
     lines += [f"| {r['bench']} | `{r['config']}` | {r['shared'] if r['shared'] is not None else '-'} | "
-              f"{r['status']} |" for r in rows]
+              f"{r.get('regs', '-')} / {r.get('spills', '-')} | {r['status']} |" for r in rows]
     for b in benches:
         if b["markdown"]:
             lines += ["", f"### {b['name']}", "", b["markdown"]]

@@ -132,3 +132,39 @@ def test_breakdown_table_reports_gpu_idle_only_where_profiled():
     assert idle_note({"total_us_per_step": 10.0, "kernels": []}) == ""
     note = idle_note({"gpu_idle_us_per_step": 160.0, "gpu_span_us_per_step": 4120.0})
     assert note == "; in the profiled calls the GPU was idle 160.0 µs of a 4.120 ms span per step"
+
+
+_SM120_RECOMPILE = """
+import sys, torch, triton.language as tl
+sys.path[:0] = ["bench"]
+import kernel_floors
+from bench_sparse_mla import compiled_stats, cross_compile, launch_recorder
+from dsv4_compile.kernels import indexer_topk as mod
+print("module", mod.__file__)
+launches = []
+mod._score_pages_kernel = launch_recorder(mod._score_pages_kernel, launches)
+mod._dot_dtype = lambda q, k_cache: (tl.float8e4nv, None)  # fp8 dots, as on a GPU
+mod._capability = lambda q: (9, 0)  # planned as on the H200: a register cap of 72
+fp8 = torch.float8_e4m3fn
+mod.indexer_scores_triton(torch.zeros(64, 1, 64, 128).to(fp8), torch.zeros(64, 1, 64), torch.zeros(8, 64, 128).to(fp8),
+                          torch.ones(8, 64), torch.zeros(64, 2048, dtype=torch.int32),
+                          torch.full((64, 1), 100, dtype=torch.int32), 512)
+launch = launches[0]
+launch.meta.update(FOR_LOOPS=True, PIN_IDS=True)
+again = kernel_floors.sm120_stats(cross_compile(launch, 90))
+direct = compiled_stats(launch, 120)
+print(again["regs"], again["spill_stores"], again["shared"], direct["regs"], direct["spill_stores"], direct["shared"])
+"""
+
+
+def test_sm120_recompile_keeps_the_register_cap():
+    """kernel_floors.sm120_stats recompiles a kernel compiled for one GPU (here cross-compiled for
+    sm_90 with the H200's register cap of 72) for sm_120 with its launch options, the cap included:
+    the same registers, spills and shared memory as compiling the launch for sm_120 directly (the
+    cap then spills there, which the report shows)."""
+    from helpers import run_compiled_script
+    from dsv4_compile.kernels import indexer_topk
+    [row] = run_compiled_script(_SM120_RECOMPILE, indexer_topk.__file__)
+    regs, spills, shared = row[:3]
+    assert row[:3] == row[3:]
+    assert int(regs) <= 72 and int(spills) > 0 and int(shared) <= 101_376
