@@ -2,8 +2,9 @@
 import hashlib
 import json
 import logging
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -66,15 +67,25 @@ DEFAULT_INDUCTOR_OPTIONS: dict[str, Any] = {"triton.autotune_pointwise": False,
 DECODE_INDUCTOR_OPTIONS: dict[str, Any] = {"combo_kernels": True}
 
 
+def _graph_options(label: str, on_cuda: bool) -> dict[str, Any]:
+    """The inductor options a graph starts from: DEFAULT_INDUCTOR_OPTIONS, plus
+    DECODE_INDUCTOR_OPTIONS for a decode graph (label 'T=1') on a CUDA device."""
+    options = dict(DEFAULT_INDUCTOR_OPTIONS)
+    if label == "T=1" and on_cuda:
+        options.update(DECODE_INDUCTOR_OPTIONS)
+    return options
+
+
 class Dsv4Backend:
     """A callable torch.compile backend.
 
     `torch.compile(fn, backend=Dsv4Backend())`. It runs inductor's compile_fx with the dsv4
     passes on `post_grad_custom_post_pass`, DEFAULT_INDUCTOR_OPTIONS and, for decode graphs on a
-    CUDA device (a 2-D integer input [B, 1] first: the step's input_ids), DECODE_INDUCTOR_OPTIONS
-    (`options` override them; mode="max-autotune" autotunes pointwise kernels again); `report`
-    collects the sites they considered. UNSUPPORTED_INDUCTOR_OPTIONS stay off: a `mode` that turns
-    one on loses it (one warning per backend), and `options` turning one on raise ValueError.
+    CUDA device, DECODE_INDUCTOR_OPTIONS (`options` override them; mode="max-autotune" autotunes
+    pointwise kernels again); `report` collects the sites they considered. A graph is a decode
+    graph when its first 2-D integer input is [B, 1] (the step's input_ids), or when the label told
+    with `graph_label` is 'T=1'. UNSUPPORTED_INDUCTOR_OPTIONS stay off: a `mode` that turns one on
+    loses it (one warning per backend), and `options` turning one on raise ValueError.
     """
 
     def __init__(self, config: PassConfig | None = None, report: PassReport | None = None,
@@ -83,15 +94,24 @@ class Dsv4Backend:
         self.report = report if report is not None else PassReport()
         self.cudagraphs = cudagraphs
         self._dropped: set[str] = set()  # UNSUPPORTED_INDUCTOR_OPTIONS a mode turned on, warned about once
+        self._told_label: str | None = None
+
+    @contextmanager
+    def graph_label(self, label: str) -> Iterator[None]:
+        """Graphs compiled inside take `label` ('T=<tokens per request>', or '' for none) instead of
+        the one read from their inputs: for callers whose inputs have no [B, T] token ids."""
+        saved, self._told_label = self._told_label, label
+        try:
+            yield
+        finally:
+            self._told_label = saved
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any], *,
                  mode: str | None = None, options: dict | None = None) -> Callable:
         from torch._inductor.compile_fx import compile_fx
 
-        label = _graph_label(example_inputs)
-        patches: dict[str, Any] = dict(DEFAULT_INDUCTOR_OPTIONS)
-        if label == "T=1" and _runs_on_cuda(example_inputs):
-            patches.update(DECODE_INDUCTOR_OPTIONS)
+        label = self._told_label if self._told_label is not None else _graph_label(example_inputs)
+        patches = _graph_options(label, _runs_on_cuda(example_inputs))
         if mode is not None:
             patches.update(torch._inductor.list_mode_options(mode))
         options = options or {}

@@ -7,7 +7,7 @@ import torch._inductor.compile_fx
 
 import dsv4_compile
 from dsv4_compile.backend import (DECODE_INDUCTOR_OPTIONS, DEFAULT_INDUCTOR_OPTIONS, UNSUPPORTED_INDUCTOR_OPTIONS,
-                                  Dsv4Backend)
+                                  Dsv4Backend, _graph_options)
 from dsv4_compile.passes.manager import PassConfig
 
 
@@ -114,3 +114,27 @@ def test_cpu_and_meta_inputs_do_not_count_as_cuda():
 
     assert not _runs_on_cuda([torch.zeros(2, 1, dtype=torch.int64), 3, torch.randn(4)])
     assert not _runs_on_cuda([torch.empty(2, device="meta")])
+
+
+@pytest.mark.parametrize("label, on_cuda, decode", [("T=1", True, True), ("T=1", False, False), ("T=4", True, False),
+                                                    ("", True, False)])
+def test_graph_options_add_decode_options_for_t1_on_cuda(label, on_cuda, decode):
+    options = _graph_options(label, on_cuda)
+    assert options == ({**DEFAULT_INDUCTOR_OPTIONS, **DECODE_INDUCTOR_OPTIONS} if decode else DEFAULT_INDUCTOR_OPTIONS)
+
+
+def test_told_label_replaces_the_one_read_from_inputs(captured, monkeypatch):
+    """Inside `graph_label` a graph takes the told label, '' included (a [B, 1] integer input is then
+    not read as token ids); outside, the label is read from the inputs again."""
+    monkeypatch.setattr(importlib.import_module("dsv4_compile.backend"), "_runs_on_cuda", lambda example_inputs: True)
+    gm = torch.fx.symbolic_trace(lambda ids, x: x + ids.sum())
+    backend = Dsv4Backend(PassConfig(passes=()))
+    one_d, two_d = [torch.zeros(8, dtype=torch.int64), torch.randn(4)], [torch.zeros(8, 1, dtype=torch.int64), torch.randn(4)]
+    with backend.graph_label("T=1"):
+        backend(gm, one_d)
+        with backend.graph_label(""):
+            backend(gm, two_d)
+        backend(gm, one_d)
+    backend(gm, two_d)
+    labels = [(p["post_grad_custom_post_pass"].graph_label, p.get("combo_kernels", False)) for p in captured]
+    assert labels == [("T=1", True), ("", False), ("T=1", True), ("T=1", True)]

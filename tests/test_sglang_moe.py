@@ -109,6 +109,8 @@ def sg():
         compile_decoration="sglang.srt.compilation.torch_compile_decoration",
         loader="sglang.srt.model_loader.loader",
         weight_updater="sglang.srt.model_executor.model_runner_components.weight_updater",
+        forward_batch="sglang.srt.model_executor.forward_batch_info",
+        eagle_info="sglang.srt.speculative.eagle_info",
     )
     with _torchvision_placeholder(), _image_processor_registry_off():
         return types.SimpleNamespace(**{key: importlib.import_module(name) for key, name in names.items()})

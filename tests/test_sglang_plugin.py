@@ -4,6 +4,8 @@ A probe pass (this module: PASS_NAME + apply) is put into the plugin's backend; 
 inductor's post-grad stage only when a graph is compiled by the dsv4 backend, and records what
 it sees, so the tests can tell which backend compiled a graph.
 """
+import importlib
+import inspect
 import logging
 import sys
 import types
@@ -28,6 +30,8 @@ from sglang.kernels.fused_op import BaseFusedOp  # noqa: E402
 from sglang.srt import plugins as sglang_plugins  # noqa: E402
 from sglang.srt.compilation import torch_compile_decoration  # noqa: E402
 from sglang.srt.plugins.hook_registry import HookRegistry  # noqa: E402
+
+from test_sglang_moe import sg  # noqa: E402,F401  (fixture: SGLang's modules, imported without torchvision)
 
 pytestmark = pytest.mark.sglang
 
@@ -286,3 +290,71 @@ def test_rocm_keeps_sglangs_own_compile(monkeypatch):
     model = _ConfigMarkedV4()
     monkeypatch.setattr(torch.version, "hip", "6.4")
     assert patch_model(model, True, 4, None) == "sglang's" and len(calls) == 1
+
+
+class _SGLangForwardV4(nn.Module):
+    """A DeepSeek-V4 (by its config) with SGLang's model.forward signature: input_ids [num_tokens],
+    positions [num_tokens] and a ForwardBatch."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import DeepseekV4Config
+
+        self.config = DeepseekV4Config(**TINY_CONFIG)
+        self.embed = nn.Embedding(32, 8)
+
+    def forward(self, input_ids, positions, forward_batch, input_embeds=None):
+        return self.embed(input_ids) * positions[:, None]
+
+
+def _capture_batch(sg, mode, requests, tokens, draft_tokens):
+    """A ForwardBatch as SGLang's decode CUDA-graph runner builds one to capture (capture_prepare):
+    its capture_forward_mode, batch_size = bs and, for target verify, an EagleVerifyInput."""
+    fbi = sg.forward_batch
+    spec_info = None if draft_tokens is None else sg.eagle_info.EagleVerifyInput(
+        draft_token=None, custom_mask=None, positions=None, retrieve_index=None, retrieve_next_token=None,
+        retrieve_next_sibling=None, retrieve_cum_len=None, spec_steps=1, topk=1, draft_token_num=draft_tokens,
+        capture_hidden_mode=fbi.CaptureHiddenMode.FULL, seq_lens_sum=None, seq_lens_cpu=None)
+    return fbi.ForwardBatch(
+        forward_mode=getattr(fbi.ForwardMode, mode), batch_size=requests, input_ids=torch.zeros(tokens, dtype=torch.int64),
+        req_pool_indices=torch.zeros(requests, dtype=torch.int64), seq_lens=torch.ones(requests, dtype=torch.int64),
+        out_cache_loc=torch.zeros(tokens, dtype=torch.int64), seq_lens_sum=requests, spec_info=spec_info)
+
+
+@pytest.mark.parametrize("mode, requests, tokens, draft_tokens, label", [
+    ("DECODE", 4, 4, None, "T=1"),
+    ("TARGET_VERIFY", 2, 8, 4, "T=4"),
+    ("TARGET_VERIFY", 3, 8, 4, ""),  # a ragged verify capture: 8 tokens over 3 request slots
+    ("DLLM_EXTEND", 2, 8, None, ""),
+    ("EXTEND", 8, 8, None, ""),  # one token per request, but not a decode batch
+])
+def test_sglang_capture_batches_give_the_graph_label(sglang_state, sg, monkeypatch, mode, requests, tokens,
+                                                     draft_tokens, label):
+    """SGLang's forward has 1-D input_ids; the label comes from its ForwardBatch, and a decode graph
+    (T=1) on CUDA gets DECODE_INDUCTOR_OPTIONS. (CUDA is simulated: the backend reads only the
+    inputs' device; compile_fx records its options and runs the graph uncompiled.)"""
+    compiles = []
+
+    def fake_compile_fx(gm, example_inputs, config_patches=None):
+        compiles.append(config_patches)
+        return gm.forward
+
+    monkeypatch.setattr("torch._inductor.compile_fx.compile_fx", fake_compile_fx)
+    monkeypatch.setattr(importlib.import_module("dsv4_compile.backend"), "_runs_on_cuda", lambda example_inputs: True)
+    sglang_plugins.load_plugins()
+    model = _SGLangForwardV4()
+    batch = _capture_batch(sg, mode, requests, tokens, draft_tokens)
+    positions = torch.arange(tokens)
+    with torch_compile_decoration.patch_model(model, True, num_tokens=tokens, tp_group=_tp_group()) as forward:
+        assert "input_embeds" in inspect.signature(forward).parameters  # SGLang's runner reads it
+        out = forward(batch.input_ids, positions, batch)
+    torch.testing.assert_close(out, model(batch.input_ids, positions, batch))
+    (patches,) = compiles
+    assert patches["post_grad_custom_post_pass"].graph_label == label
+    assert patches.get("combo_kernels", False) is (label == "T=1")
+
+
+def test_sglang_graph_label_without_input_ids(sg):
+    batch = _capture_batch(sg, "DECODE", 4, 4, None)
+    assert plugin.sglang_graph_label(None, batch) == ""
+    assert plugin.sglang_graph_label(batch.input_ids, batch) == "T=1"

@@ -7,6 +7,13 @@ replacement compiles with `Dsv4Backend(cudagraphs=False)` and `dynamic=False`: S
 whole step in its own CUDA graph, and each capture size gets its own static graph. Every other
 model goes to SGLang's original `patch_model`.
 
+SGLang's forward takes 1-D input_ids [num_tokens], so the backend cannot read tokens per request
+from its inputs; the compiled forward tells it the label of the ForwardBatch it is called with
+(`sglang_graph_label`). In SGLang 0.5.23 only DecodeCudaGraphRunner._capture_one_stream (and the
+subclasses that keep its compile_bs) enters patch_model with enable_compile, and its capture batch
+has forward_mode = the runner's capture_forward_mode (DECODE, or TARGET_VERIFY / DLLM_EXTEND for
+speculative / dLLM runners) and batch_size = bs, with bs * captured_req_width input tokens.
+
 It also hooks SGLang's MoE quantization-method selection (`sglang_moe`): on sm_120, DeepSeek-V4's
 FP4 experts (MXFP4, the MTP draft's included, and NVFP4) run `torch.ops.dsv4.fp4_moe`.
 
@@ -14,6 +21,8 @@ SGLang is imported only inside the functions here, so importing this module neve
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import os
 import sys
@@ -70,6 +79,39 @@ def is_deepseek_v4(model: torch.nn.Module) -> bool:
     return getattr(getattr(model, "config", None), "model_type", None) in DEEPSEEK_V4_MODEL_TYPES
 
 
+def sglang_graph_label(input_ids: torch.Tensor | None, forward_batch: Any) -> str:
+    """The backend label of a graph SGLang captures for `forward_batch` (its ForwardBatch) with
+    `input_ids` [num_tokens] int: 'T=1' for a decode batch (ForwardMode.DECODE, one token per
+    request), 'T=<n>' for a target-verify batch of n tokens for each request, else ''."""
+    if input_ids is None:  # a forward on input embeddings
+        return ""
+    tokens, requests = input_ids.shape[0], forward_batch.batch_size
+    mode = forward_batch.forward_mode
+    if mode.is_decode() and tokens == requests:
+        return "T=1"
+    # A ragged verify capture gives its requests different counts: then tokens != requests * n.
+    per_request = getattr(forward_batch.spec_info, "num_tokens_per_req", -1)
+    if mode.is_target_verify() and per_request > 0 and tokens == requests * per_request:
+        return f"T={per_request}"
+    return ""
+
+
+def _labelled_forward(compiled: Callable, forward: Callable, backend: Dsv4Backend) -> Callable:
+    """`compiled` (torch.compile of `forward`), compiling the graphs of a call that passes an SGLang
+    ForwardBatch (`forward_batch`, as SGLang's models name it) under its `sglang_graph_label`."""
+    signature = inspect.signature(forward)
+
+    @functools.wraps(compiled)
+    def labelled(*args: Any, **kwargs: Any) -> Any:
+        arguments = signature.bind_partial(*args, **kwargs).arguments
+        if arguments.get("forward_batch") is None:
+            return compiled(*args, **kwargs)
+        with backend.graph_label(sglang_graph_label(arguments.get("input_ids"), arguments["forward_batch"])):
+            return compiled(*args, **kwargs)
+
+    return labelled
+
+
 @contextmanager
 def _compile_with_dsv4(model: torch.nn.Module, num_tokens: int, tp_group: Any,
                        backend: Dsv4Backend) -> Iterator[Callable]:
@@ -83,12 +125,13 @@ def _compile_with_dsv4(model: torch.nn.Module, num_tokens: int, tp_group: Any,
     try:
         # SGLang's own switch of its BaseFusedOp modules to their compile-safe forwards.
         torch_compile_decoration._to_torch(model, reverse=False, num_tokens=num_tokens)
-        yield torch.compile(
+        compiled = torch.compile(
             torch.no_grad()(model.forward),
             backend=backend,
             mode=os.environ.get("SGLANG_TORCH_COMPILE_MODE", "max-autotune-no-cudagraphs"),
             dynamic=False,
         )
+        yield _labelled_forward(compiled, model.forward, backend)
     finally:
         torch_compile_decoration._to_torch(model, reverse=True, num_tokens=num_tokens)
         tp_group.ca_comm = backup_ca_comm
