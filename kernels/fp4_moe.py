@@ -23,14 +23,14 @@ Steps 2 and 3 have three kernel pairs behind one launcher: a GEMV path (`_gate_u
 `_down_gemv_kernel`; no tl.dot) for a few pairs per expert on average (decode),
 an mma path (`_gate_up_mma_kernel`, `_down_mma_kernel`: tl.dot with the weight rows as its M
 side, for blocks of a few pairs; decode and verify) and the dot path below (prefill, and MXFP4
-on GPUs with FP4 tensor cores); `choose_config` picks by average pairs per expert and format,
+on sm_100, see native_fp4_dot); `choose_config` picks by average pairs per expert and format,
 `TileConfig` overrides it (tests, bench --sweep). The mma kernels are launched column tile first
 (grid (tiles, blocks)), the others block first.
 
 On the dot path weights are dequantised to the dot dtype (bf16 for bf16 x on GPU, f32 for f32 x
-and under the interpreter) before tl.dot; on sm_100+ MXFP4 in the row-major layout uses
+and under the interpreter) before tl.dot; on sm_100 MXFP4 in the row-major layout uses
 tl.dot_scaled on the packed codes instead. Tiled experts (whose words hold their bits swizzled,
-dsv4_compile/fp4_tiles.py) are launched as on GPUs without FP4 tensor cores.
+dsv4_compile/fp4_tiles.py) are launched as on other GPUs.
 """
 from __future__ import annotations
 
@@ -263,7 +263,7 @@ def _dequant_tile(w_ptr, s_ptr, rows, row_mask, k0, stride_w, stride_s,
 
 @triton.jit
 def _scaled_dot(acc, a, w_ptr, s_ptr, rows, row_mask, k0, stride_w, stride_s, BLOCK_K: tl.constexpr):
-    """acc += a [BM, BLOCK_K] @ MXFP4 rows^T via tl.dot_scaled on the packed codes (sm_100+; row-major
+    """acc += a [BM, BLOCK_K] @ MXFP4 rows^T via tl.dot_scaled on the packed codes (sm_100; row-major
     experts only: the tiled layout's words hold their bits swizzled)."""
     half = tl.arange(0, BLOCK_K // 2)
     packed_t = tl.load(w_ptr + _at(rows[None, :], (k0 // 2 + half)[:, None], stride_w, False, 2),
@@ -1152,8 +1152,14 @@ def _down_mma_kernel(
 
 
 def native_fp4_dot(x: torch.Tensor, fmt: str) -> bool:
-    """tl.dot_scaled on packed MXFP4 where the GPU has FP4 tensor cores (sm_100+)."""
-    return fmt == "mxfp4" and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 10
+    """Whether row-major MXFP4 takes tl.dot_scaled's size classes (GEMV, then the dot path): on sm_100.
+
+    With x in bf16, Triton 3.6 compiles tl.dot_scaled to bf16 MMAs on the decoded codes, not FP4 ones
+    (cross-compiled PTX, twenty-ninth session): tcgen05 kind::f16 on sm_100, mma.sync m16n8k16 bf16 on
+    sm_120. On sm_120 that is the instruction the mma path's one-warp tiles use on the H200 too, where
+    the mma path beat GEMV by 17-25% at M=1 and 8 (bench/RESULTS.md, sixth session), so sm_120 takes
+    the mma path (not timed on sm_120); sm_100 keeps tl.dot_scaled (not timed either)."""
+    return fmt == "mxfp4" and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] == 10
 
 
 MIN_REG_CAP, MAX_REG_CAP = 24, 255  # what ptxas accepts as a thread's register cap
@@ -1294,8 +1300,8 @@ class TileConfig:
 # swizzled words (twenty-first session) these defaults stayed best, timed paired at M=64 (asm scales,
 # caps 128 / 96, the 32-row class) and M=256 (caps 176 / 128, 144 / 104, none, tl.load scales).
 # Beyond 16 pairs per expert (prefill) both formats
-# take 64-row dot blocks. Where FP4
-# tensor cores exist (sm_100+) row-major MXFP4 takes GEMV up to GEMV_MAX_ROWS and the dot path above,
+# take 64-row dot blocks. On sm_100
+# (native_fp4_dot) row-major MXFP4 takes GEMV up to GEMV_MAX_ROWS and the dot path above,
 # which uses tl.dot_scaled there (as do K or I that are not multiples of 32). The mma path's exactness
 # range is in the MMA path comment (ue8m0 scales up to 2**65; the model's experts are checked once,
 # see check_mxfp4_scale_range).
@@ -1326,7 +1332,7 @@ OFF_SM90_CONFIGS = {"dot64": TileConfig("dot", 64, 64, 64, num_warps=4, num_stag
 
 def size_class(pairs: int, experts: int, fmt: str, native_fp4: bool = False, mma_fits: bool = True) -> str:
     """The DEFAULT_CONFIGS key for M*k = `pairs` (token, choice) pairs over `experts` experts in
-    format `fmt`; `native_fp4`: the GPU has FP4 tensor cores (see native_fp4_dot); `mma_fits`: K
+    format `fmt`; `native_fp4`: row-major MXFP4 takes tl.dot_scaled (see native_fp4_dot); `mma_fits`: K
     and I are multiples of 32, which the mma path needs (NVFP4 allows multiples of 16)."""
     average = max(1, -(-pairs // experts))
     if average >= DENSE_MIN_ROWS:
@@ -1443,7 +1449,7 @@ def fp4_moe_pairs_triton(
     interpreted = not x.is_cuda
     dot_dtype = tl.float32 if (interpreted or x.dtype == torch.float32) else tl.bfloat16
     # tl.dot_scaled takes the row-major packing; tiled words hold their bits swizzled, so tiled experts
-    # are launched as where no FP4 tensor cores exist (on the H200 a tiled dot_scaled operand rebuilt in
+    # are launched as on GPUs other than sm_100 (on the H200 a tiled dot_scaled operand rebuilt in
     # registers gave wrong sums: bench/RESULTS.md, twenty-first session).
     native_fp4 = native_fp4_dot(x, fmt) and not tiled
     if use_dot_scaled is None:
@@ -1620,7 +1626,7 @@ def fp4_moe(
 
     Eager calls check every argument, including the id range (a host sync); see check_expert_ids.
     MXFP4 scales must stay at or below 2**65 (ue8m0 code MMA_MAX_UE8M0) where the mma path runs
-    (decode and verify sizes on GPUs without FP4 tensor cores); the model's experts are checked
+    (decode and verify sizes, except row-major experts on sm_100); the model's experts are checked
     once when optimize() builds the step (check_mxfp4_scale_range), the op does not check values.
     """
     check_fp4_moe_inputs(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, fmt, w13_global, w2_global,

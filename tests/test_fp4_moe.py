@@ -414,6 +414,19 @@ def test_size_class_rule(tokens, mxfp4, nvfp4, mxfp4_native):
         assert config.path == expected[:3] if expected != "gemv" else config.path == "gemv"
 
 
+@pytest.mark.parametrize("capability, dot_scaled", [((9, 0), False), ((10, 0), True), ((10, 3), True),
+                                                    ((12, 0), False), ((12, 1), False), ((8, 9), False)])
+def test_row_major_mxfp4_takes_tl_dot_scaled_on_sm100_only(monkeypatch, capability, dot_scaled):
+    """native_fp4_dot: tl.dot_scaled's size classes for row-major MXFP4 on sm_100 only. sm_120 compiles
+    tl.dot_scaled with bf16 x to the bf16 mma.sync its mma path uses (test_tl_dot_scaled_compiles_to_bf16_mmas), so it
+    takes the mma path like the H200; NVFP4 and CPU tensors never take tl.dot_scaled."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    cuda_like = type("CudaLike", (), {"is_cuda": True, "device": "cuda:0"})()
+    assert moe.native_fp4_dot(cuda_like, "mxfp4") == dot_scaled
+    assert not moe.native_fp4_dot(cuda_like, "nvfp4")
+    assert not moe.native_fp4_dot(torch.zeros(1), "mxfp4")
+
+
 @pytest.mark.parametrize("capability, sm90", [((9, 0), True), ((12, 0), False), ((10, 0), False), ((8, 9), False)])
 def test_prefill_class_off_sm90_takes_64_column_k_steps(monkeypatch, capability, sm90):
     """Off sm_90 the 64-row dot class (prefill) takes OFF_SM90_CONFIGS (64-column K steps; see
@@ -624,8 +637,8 @@ for fmt in ("mxfp4", "nvfp4"):
     s13 = torch.zeros(2, 2 * inter, hidden // group, dtype=dtype)
     s2 = torch.zeros(2, hidden, inter // group, dtype=dtype)
     glob = None if fmt == "mxfp4" else torch.ones(2)
-    # sm_120 takes tl.dot_scaled on row-major MXFP4 (native_fp4_dot), and dequantises tiled experts
-    for cap, dot_scaled in ((90, False), (120, False)) + (((120, True),) if fmt == "mxfp4" else ()):
+    # sm_100 takes tl.dot_scaled on row-major MXFP4 (native_fp4_dot); sm_90 and sm_120 dequantise
+    for cap, dot_scaled in ((90, False), (120, False)) + (((100, True),) if fmt == "mxfp4" else ()):
         launches.clear()
         config = moe.choose_config(24576, 256, fmt, dot_scaled, sm90=cap == 90)
         moe.fp4_moe_pairs_triton(torch.zeros(2, hidden, dtype=torch.bfloat16), torch.zeros(2, 6, dtype=torch.int32),
@@ -642,18 +655,58 @@ for fmt in ("mxfp4", "nvfp4"):
 def test_dot64_configs_do_not_spill():
     """The prefill class (64-row dot blocks) at V4-Flash's expert sizes, compiled (ptxas -v) with the
     config each GPU takes: DEFAULT_CONFIGS' 128-column K steps on sm_90 (wgmma), OFF_SM90_CONFIGS' 64
-    on sm_120, dequantised and (row-major MXFP4) with tl.dot_scaled. No kernel spills (128-column steps
-    spilled up to 628 B on sm_120) and all fit sm_120's 101,376 B of shared memory."""
+    on sm_120 (dequantised) and sm_100 (tl.dot_scaled on row-major MXFP4). No kernel spills
+    (128-column steps spilled up to 628 B on sm_120, 84 B on sm_100) and all fit sm_120's 101,376 B of
+    shared memory."""
     rows = run_compiled_script(_DOT64_CROSS_COMPILE, moe.__file__)
     assert sorted(tuple(r[:4]) for r in rows) == sorted(
         (fmt, cap, scaled, kernel) for fmt, cap, scaled in (("mxfp4", "90", "False"), ("mxfp4", "120", "False"),
-                                                            ("mxfp4", "120", "True"), ("nvfp4", "90", "False"),
+                                                            ("mxfp4", "100", "True"), ("nvfp4", "90", "False"),
                                                             ("nvfp4", "120", "False"))
         for kernel in ("_gate_up_kernel", "_down_kernel"))
     for fmt, cap, scaled, kernel, block_k, spills, shared in rows:
         assert int(block_k) == (128 if cap == "90" else 64)
         assert int(spills) == 0, (fmt, cap, scaled, kernel)
         assert int(shared) <= 101_376
+
+
+_DOT_SCALED_PTX = """
+import re, sys, torch, triton.language as tl
+sys.path[:0] = ["bench"]
+from bench_sparse_mla import cross_compile, launch_recorder
+from dsv4_compile.kernels import fp4_moe as moe
+print("module", moe.__file__)
+launches = []
+moe._gate_up_kernel = launch_recorder(moe._gate_up_kernel, launches)
+moe._down_kernel = launch_recorder(moe._down_kernel, launches)
+moe.expert_blocks = lambda ids, experts, block_m, ready=None: tuple(torch.zeros(n, dtype=torch.int32)
+                                                                    for n in (12, 4, 4, 4))
+w13, w2 = torch.zeros(2, 256, 128, dtype=torch.uint8), torch.zeros(2, 256, 64, dtype=torch.uint8)
+s13, s2 = torch.zeros(2, 256, 8, dtype=torch.uint8), torch.zeros(2, 256, 4, dtype=torch.uint8)
+moe.fp4_moe_pairs_triton(torch.zeros(2, 256, dtype=torch.bfloat16), torch.zeros(2, 6, dtype=torch.int32),
+                         torch.ones(2, 6), w13, s13, w2, s2, "mxfp4", None, None, None,
+                         config=moe.DEFAULT_CONFIGS["dot16"], use_dot_scaled=True)
+for launch in launches:
+    launch.meta.update(DOT_DTYPE=tl.bfloat16)  # bf16 x, as on a GPU
+    for cap in (100, 120):
+        ptx = cross_compile(launch, cap).asm["ptx"]
+        kinds = sorted(set(re.findall(r"(?:mma\\.sync\\.aligned|tcgen05\\.mma)[\\w.:]*", ptx)))
+        print(launch.kernel.fn.__name__, cap, ",".join(kinds))
+"""
+
+
+def test_tl_dot_scaled_compiles_to_bf16_mmas():
+    """Why sm_120 does not take tl.dot_scaled (native_fp4_dot): with bf16 x, Triton compiles both dot-path
+    kernels' tl.dot_scaled to bf16 MMAs on the decoded codes, not to FP4 ones: mma.sync m16n8k16 bf16 on
+    sm_120 (the instruction of the mma path's one-warp tiles), tcgen05 kind::f16 on sm_100. Should a
+    Triton upgrade emit FP4 MMAs (kind::mxf4...), this fails and the choice is to be measured again."""
+    rows = run_compiled_script(_DOT_SCALED_PTX, moe.__file__)
+    assert sorted(tuple(r[:2]) for r in rows) == sorted(
+        (kernel, cap) for kernel in ("_gate_up_kernel", "_down_kernel") for cap in ("100", "120"))
+    for kernel, cap, kinds in rows:
+        want = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" if cap == "120"
+                else "tcgen05.mma.cta_group::1.kind::f16")
+        assert kinds == want, (kernel, cap, kinds)
 
 
 @pytest.mark.parametrize("config, interpreted, want", [

@@ -137,10 +137,10 @@ def test_tiled_experts_take_the_dequantising_dot_path():
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()  # f32 x: summation order only
 
 
-def test_tiled_experts_are_launched_as_without_fp4_tensor_cores(monkeypatch):
-    """Where FP4 tensor cores exist (native_fp4_dot, forced here) row-major MXFP4 experts get the native
-    size classes, tiled ones the classes of a GPU without them (the mma path), since tl.dot_scaled cannot
-    read their swizzled words; both give the reference's answer."""
+def test_tiled_experts_are_launched_as_without_tl_dot_scaled(monkeypatch):
+    """Where row-major MXFP4 takes tl.dot_scaled's size classes (native_fp4_dot: sm_100, forced here),
+    tiled experts take the classes of other GPUs (the mma path), since tl.dot_scaled cannot read their
+    swizzled words; both give the reference's answer."""
     monkeypatch.setattr(moe, "native_fp4_dot", lambda x, fmt: fmt == "mxfp4")
     chosen = []
     choose = moe.choose_config

@@ -136,7 +136,7 @@ class RoutedExperts(nn.Module):
             from dsv4_compile.kernels.fp4_moe import check_mxfp4_scale_range, native_fp4_dot
 
             w13_scale, w2_scale = _get(source, "w13_scale"), _get(source, "w2_scale")
-            if not native_fp4_dot(w13_scale, "mxfp4"):  # FP4 tensor cores: no mma path, no limit
+            if not native_fp4_dot(w13_scale, "mxfp4"):  # sm_100: tl.dot_scaled, no mma path, no limit
                 check_mxfp4_scale_range(w13_scale=w13_scale, w2_scale=w2_scale)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
