@@ -6,7 +6,7 @@ Hand-written FX matching, keyed on the math rather than on one trace:
 where W13' / W2' are computed only from gathers `packed[ids]` of uint8 [E, rows, cols/2] graph
 inputs or of their tiled form (dsv4_compile.fp4_tiles; put back in row order by views and a
 copy, each word's bits by shifts and masks), plus their scales (and globals for NVFP4), by
-unpack/decode/scale ops, and
+unpack/decode/scale ops that compute the op's dequantisation on probe values, and
 act = silu(min(gate, L)) * clamp(up, -L, L) (or silu(gate) * up without a limit). The format
 comes from the scale dtype (uint8 ue8m0 -> mxfp4, e4m3 -> nvfp4). Anything else is declined
 and recorded with its reason; bf16 experts (no packed gathers) are left alone. A bmm of batch
@@ -15,12 +15,14 @@ M * k = 1 (one token, top-1 routing) may be inductor's mm form of it on CUDA (fx
 from __future__ import annotations
 
 import logging
+import math
 import operator
 
 import torch
 from torch.fx import Graph, Node
 
-from dsv4_compile.fp4_tiles import is_tiled, logical_shape
+from dsv4_compile.fp4 import MXFP4_BLOCK, NVFP4_BLOCK, dequantize_mxfp4, dequantize_nvfp4
+from dsv4_compile.fp4_tiles import is_tiled, logical_shape, tile_fp4
 from dsv4_compile.passes.fx_match import Decline, is_bmm, match_bmm
 
 logger = logging.getLogger("dsv4_compile")
@@ -133,6 +135,154 @@ def _expert_weights(region: set[Node], hidden: int, first: bool):
     raise _Decline(f"scale {dtype} x{groups} for {cols} columns is neither mxfp4 nor nvfp4")
 
 
+# The probe's block of each gathered expert: its leading rows and columns (two tiles each way in the
+# tiled layout, several scale groups) and the choices of the first tokens.
+_PROBE_ROWS, _PROBE_COLS, _PROBE_TOKENS = 64, 256, 2
+
+
+class _NoProbe(Exception):
+    """The weight path cannot be run on a leading block of its gathered experts."""
+
+
+def _check_dequant(out: Node, region: set[Node], fmt: str, packed: Node, scale: Node, glob: Node | None,
+                   ids: Node) -> None:
+    """Runs the weight path (`region`, gathers to `out`) on random codes, scales and globals of a few
+    experts, and declines unless `out` is the op's dequantisation of the gathered experts, [pairs,
+    rows, cols] in row order. Full-size experts are probed on a leading block of rows, columns and
+    tokens (`_block_args`), never on all experts. The op-kind checks alone let an extra factor, a
+    transposed weight, swapped nibbles or another scale bias or grouping through."""
+    if not all(_static(n) for n in region | {ids}):
+        return  # symbolic sizes: no probe values (the op-kind checks stand)
+    stored, codes, probe_ids = _probe_experts(fmt, packed, scale, glob, ids)
+    scales = stored[scale][probe_ids]
+    if fmt == "mxfp4":
+        want = dequantize_mxfp4(codes[probe_ids], scales, torch.float32)
+    else:
+        want = dequantize_nvfp4(codes[probe_ids], scales, stored[glob][probe_ids], torch.float32)
+    want = want.flatten(0, probe_ids.ndim - 1)
+    try:
+        got = _run_block(out, region, stored, ids, probe_ids)
+    except (_NoProbe, RuntimeError, IndexError) as why:
+        raise _Decline(f"the weight path cannot be run on probe values ({why})") from None
+    tolerance = 1e-5 if got.dtype == torch.float32 else 1e-2  # bf16 / f16 weights: their rounding
+    if got.shape != want.shape or not torch.allclose(got.float(), want, rtol=tolerance, atol=0.0):
+        raise _Decline(f"the weight path is not the op's {fmt} dequantisation of the gathered experts "
+                       "(probe values differ)")
+
+
+def _static(node: Node) -> bool:
+    """Whether `node`'s value (if a tensor) has int sizes only."""
+    val = _val(node)
+    return not isinstance(val, torch.Tensor) or all(isinstance(d, int) for d in val.shape)
+
+
+def _probe_experts(fmt: str, packed: Node, scale: Node, glob: Node | None, ids: Node):
+    """Random probe experts: ({packed, scale, glob input node: its probe value}, the row-major codes,
+    the probe ids). The codes are all 16 values in both nibbles; scales and globals vary per block
+    and expert, and each probe pair reads another expert where there are enough."""
+    gen = torch.Generator().manual_seed(0)
+    experts, rows, half_cols = logical_shape(_val(packed))
+    rows, cols = min(rows, _PROBE_ROWS), min(2 * half_cols, _PROBE_COLS)
+    id_shape = (min(_val(ids).shape[0], _PROBE_TOKENS), *_val(ids).shape[1:])
+    pairs = math.prod(id_shape)
+    experts = min(experts, pairs)
+    probe_ids = ((torch.arange(pairs) + 1) % experts).reshape(id_shape)
+    codes = torch.randint(0, 256, (experts, rows, cols // 2), generator=gen, dtype=torch.uint8)
+    stored = {packed: tile_fp4(codes) if is_tiled(_val(packed)) else codes}
+    if fmt == "mxfp4":
+        stored[scale] = torch.randint(118, 137, (experts, rows, cols // MXFP4_BLOCK), generator=gen,
+                                      dtype=torch.uint8)
+    else:
+        blocks = torch.rand(experts, rows, cols // NVFP4_BLOCK, generator=gen) * 8 + 0.25
+        stored[scale] = blocks.to(torch.float8_e4m3fn)
+        stored[glob] = torch.rand(experts, generator=gen) + 0.5
+    return stored, codes, probe_ids
+
+
+def _run_block(out: Node, region: set[Node], stored: dict, ids: Node, probe_ids: torch.Tensor) -> torch.Tensor:
+    """`out` computed by the region's nodes from the probe experts gathered by `probe_ids`."""
+    env = {}
+    for node in [n for n in out.graph.nodes if n in region and n not in stored]:
+        if node.op == "get_attr":  # a constant of the decode (the e2m1 table)
+            env[node] = operator.attrgetter(node.target)(node.graph.owning_module).detach().cpu()
+            continue
+        if node.target == aten.index.Tensor and node.args[0] in stored and node.args[1][0] is ids:
+            env[node] = stored[node.args[0]][probe_ids]
+        elif node.op != "call_function" or any(a not in env for a in node.all_input_nodes):
+            raise _Decline("the weight path reads tensors other than the gathered codes, scales and globals")
+        else:
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: env[a])
+            target, args = _block_args(node, args)
+            env[node] = target(*args, **kwargs)
+        _check_block(node, env[node])
+    return env[out]
+
+
+def _block_args(node: Node, args: tuple):
+    """(target, args) computing the leading block of `node`'s value from leading blocks of its
+    inputs: reshape and expand sizes cut to the block; a slice, select, unbind or cat that would
+    read a cut dim past its block raises _NoProbe."""
+    target, x = node.target, args[0]
+    if target in (aten.reshape.default, aten.view.default, aten._unsafe_view.default):
+        return aten.reshape.default, (x, _block_reshape(_val(node.args[0]).shape, x.shape, _val(node).shape))
+    if target == aten.expand.default:
+        full_in, full_out = _val(node.args[0]).shape, _val(node).shape
+        lead = len(full_out) - x.ndim
+        return target, (x, [x.shape[d - lead] if d >= lead and full_in[d - lead] == full_out[d] else full_out[d]
+                            for d in range(len(full_out))])
+    if target in (aten.slice.Tensor, aten.select.int, aten.unbind.int):
+        dim = (args[1] if len(args) > 1 else 0) % x.ndim
+        start = args[2] if len(args) > 2 else None
+        if x.shape[dim] != _val(node.args[0]).shape[dim] and (
+                target == aten.unbind.int or (target == aten.slice.Tensor and start not in (None, 0))
+                or (target == aten.select.int and not 0 <= start < x.shape[dim])):
+            raise _NoProbe(f"{node.name} reads a cut dim past its block")
+    if target == aten.cat.default:
+        dim = args[1] if len(args) > 1 else 0
+        if any(p.shape[dim] != _val(n).shape[dim] for p, n in zip(x, node.args[0])):
+            raise _NoProbe(f"{node.name} concatenates along a cut dim")
+    return target, args
+
+
+def _block_reshape(full_in, block_in, full_out) -> list[int]:
+    """Sizes of the block of a reshape's output that is the leading block `block_in` of its input:
+    each group of dims that the reshape merges or splits may be cut in its first dim only."""
+    src = [(f, b) for f, b in zip(full_in, block_in) if f != 1]
+    dst = [d for d, f in enumerate(full_out) if f != 1]
+    sizes, i, j = [1] * len(full_out), 0, 0
+    while i < len(src):
+        ii, jj, have, want = i + 1, j + 1, src[i][0], full_out[dst[j]]
+        while have != want:
+            if have < want:
+                have, ii = have * src[ii][0], ii + 1
+            else:
+                want, jj = want * full_out[dst[jj]], jj + 1
+        if any(b != f for f, b in src[i + 1:ii]):
+            raise _NoProbe("a reshape merges a cut dim with the dims before it")
+        count = math.prod(b for _, b in src[i:ii])
+        for d in reversed(dst[j + 1:jj]):
+            if count % full_out[d]:
+                raise _NoProbe("a reshape splits a cut dim across its block")
+            sizes[d], count = full_out[d], count // full_out[d]
+        sizes[dst[j]] = count
+        i, j = ii, jj
+    return sizes
+
+
+def _check_block(node: Node, value) -> None:
+    """Raises _NoProbe unless `value` has `node`'s rank and dtype and is a leading block of it with
+    the same unit dims (a dim cut to 1 would broadcast where the full one does not)."""
+    full = _val(node)
+    pairs = zip(value, full) if isinstance(full, (list, tuple)) else [(value, full)]
+    for got, want in pairs:
+        if not isinstance(want, torch.Tensor):
+            continue
+        if (not isinstance(got, torch.Tensor) or got.dtype != want.dtype or got.ndim != want.ndim
+                or any(b > f or (b == 1) != (f == 1) for b, f in zip(got.shape, want.shape))):
+            shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+            raise _NoProbe(f"{node.name} is {shape} of {tuple(want.shape)}")
+
+
 def _limit_of(region: set[Node], op, index: int = 1):
     values = {float(n.args[index]) for n in region if n.target == op and isinstance(n.args[index], (int, float))}
     return values
@@ -186,10 +336,14 @@ def _match(anchor: Node) -> dict:
         x = x.args[0]
     if _val(x).ndim != 2 or tuple(_val(x).shape) != (tokens, hidden):
         raise _Decline("first GEMM activation is not x [M, K]")
-    fmt, w13, s13, g13, ids = _expert_weights(_weight_region(w13_side, {x}), hidden, first=True)
-    fmt2, w2, s2, g2, ids2 = _expert_weights(_weight_region(w2_side, {act}), hidden, first=False)
+    w13_region, w2_region = _weight_region(w13_side, {x}), _weight_region(w2_side, {act})
+    fmt, w13, s13, g13, ids = _expert_weights(w13_region, hidden, first=True)
+    fmt2, w2, s2, g2, ids2 = _expert_weights(w2_region, hidden, first=False)
     if fmt2 != fmt or _strip(ids2) is not _strip(ids):
         raise _Decline("gate/up and down experts differ in format or ids")
+    with torch.no_grad():
+        _check_dequant(w13_side, w13_region, fmt, w13, s13, g13, ids)
+        _check_dequant(w2_side, w2_region, fmt, w2, s2, g2, ids2)
     topk_ids = _strip(ids)
     if _val(topk_ids).ndim != 2 or _val(topk_ids).shape[0] != tokens or _val(routing).shape != _val(topk_ids).shape:
         raise _Decline("ids/routing weights are not [M, k]")

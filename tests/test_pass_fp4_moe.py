@@ -22,10 +22,10 @@ def compile_with_pass(fn):
     return compiled, probe, report
 
 
-def experts(fmt, seed=0):
+def experts(fmt, seed=0, hidden=HIDDEN, inter=INTER):
     gen = torch.Generator().manual_seed(seed)
-    w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=gen) * 0.1
-    w2 = torch.randn(EXPERTS, HIDDEN, INTER, generator=gen) * 0.1
+    w13 = torch.randn(EXPERTS, 2 * inter, hidden, generator=gen) * 0.1
+    w2 = torch.randn(EXPERTS, hidden, inter, generator=gen) * 0.1
     if fmt == "mxfp4":
         (a, b), (c, d) = fp4.quantize_mxfp4(w13), fp4.quantize_mxfp4(w2)
         return a, b, c, d, fmt, None, None
@@ -86,6 +86,25 @@ def test_tiled_experts_rewritten(fmt, tokens):
     want = moe_step(x, ids, weights, *weights_args, None)
     assert hook.rewrites == 1 and report.count(fp4_pass.PASS_NAME) == 1
     assert torch.ops.dsv4.fp4_moe.default in hook.targets
+    assert (got - want).abs().max() <= TOL[torch.float32] * want.abs().max()
+
+
+@pytest.mark.parametrize("fmt, tiled", [("mxfp4", True), ("nvfp4", False)])
+def test_larger_experts_rewritten(fmt, tiled):
+    """Experts beyond the dequantisation probe's block (64 rows x 256 columns, two tokens) are
+    checked on that block and rewritten."""
+    w = make_experts(fmt, 4, 512, 256, seed=9)
+    layout = tile_fp4 if tiled else (lambda packed: packed)
+    weights_args = (layout(w["w13"]), w["w13_scale"], layout(w["w2"]), w["w2_scale"], fmt, w["w13_global"],
+                    w["w2_global"])
+    gen = torch.Generator().manual_seed(9)
+    ids = torch.randint(0, 4, (3, TOP_K), generator=gen, dtype=torch.int32)
+    weights = torch.rand(3, TOP_K, generator=gen) + 0.1
+    x = torch.randn(1, 3, 512, generator=gen)
+    compiled, hook, report = compile_with_pass(moe_step)
+    got = compiled(x, ids, weights, *weights_args, 10.0)
+    want = moe_step(x, ids, weights, *weights_args, 10.0)
+    assert hook.rewrites == 1 and report.count(fp4_pass.PASS_NAME) == 1
     assert (got - want).abs().max() <= TOL[torch.float32] * want.abs().max()
 
 
@@ -154,14 +173,28 @@ def _one_sided_clamp_variant(x, ids, weights, w13, s13, w2, s2, fmt, g13, g2, li
     return (out.squeeze(-1) * weights.unsqueeze(-1)).sum(dim=1)
 
 
-def _activation_variant(activation):
-    """The MoE form with `activation(gate, up, limit)` in place of the clamped SwiGLU."""
+def _dequantize(packed, scale, glob, dtype):
+    """The model's dequantisation of gathered experts (glob None: MXFP4)."""
+    if glob is None:
+        return fp4.dequantize_mxfp4(packed, scale, dtype)
+    return fp4.dequantize_nvfp4(packed, scale, glob, dtype)
+
+
+def _swiglu(gate, up, limit):
+    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+
+
+def _variant(activation=_swiglu, gate_up_weights=_dequantize, down_weights=_dequantize):
+    """The MoE form with `activation(gate, up, limit)` in place of the clamped SwiGLU and
+    `*_weights(packed, scale, glob, dtype)` dequantising the gathered experts."""
     def variant(x, ids, weights, w13, s13, w2, s2, fmt, g13, g2, limit):
         idx = ids.long()
-        gate_up = torch.matmul(fp4.dequantize_mxfp4(w13[idx], s13[idx], x.dtype), x[:, None, :, None]).squeeze(-1)
+        g13, g2 = (None, None) if g13 is None else (g13[idx], g2[idx])
+        gate_up_w = gate_up_weights(w13[idx], s13[idx], g13, x.dtype)
+        gate_up = torch.matmul(gate_up_w, x[:, None, :, None]).squeeze(-1)
         gate, up = gate_up.chunk(2, dim=-1)
         hidden = activation(gate, up, limit)
-        out = torch.matmul(fp4.dequantize_mxfp4(w2[idx], s2[idx], x.dtype), hidden.unsqueeze(-1))
+        out = torch.matmul(down_weights(w2[idx], s2[idx], g2, x.dtype), hidden.unsqueeze(-1))
         return (out.squeeze(-1) * weights.unsqueeze(-1)).sum(dim=1)
     return variant
 
@@ -170,15 +203,85 @@ def _activation_variant(activation):
     (_gelu_variant, "activation"),
     (_one_sided_clamp_variant, "swiglu limit"),
     # ops the activation may hold, computing something else: only the probe values tell
-    (_activation_variant(lambda g, u, lim: F.silu(u) * g), "probe values differ"),
-    (_activation_variant(lambda g, u, lim: torch.sigmoid(g) * u), "probe values differ"),
-    (_activation_variant(lambda g, u, lim: F.silu(g) * u * 0.5), "probe values differ"),
-    (_activation_variant(lambda g, u, lim: F.silu(g.clamp(-lim, lim)) * u.clamp(max=lim)), "probe values differ"),
+    (_variant(lambda g, u, lim: F.silu(u) * g), "probe values differ"),
+    (_variant(lambda g, u, lim: torch.sigmoid(g) * u), "probe values differ"),
+    (_variant(lambda g, u, lim: F.silu(g) * u * 0.5), "probe values differ"),
+    (_variant(lambda g, u, lim: F.silu(g.clamp(-lim, lim)) * u.clamp(max=lim)), "probe values differ"),
 ], ids=["gelu", "one-sided clamp", "swapped halves", "sigmoid gate", "extra factor", "clamps swapped"])
 def test_other_math_declined(variant, reason):
     ids, weights = routing(3, seed=2)
     x = torch.randn(3, HIDDEN)
     args = (x, ids, weights, *experts("mxfp4"), 5.0)
+    compiled, hook, report = compile_with_pass(variant)
+    got = compiled(*args)
+    assert hook.rewrites == 0
+    assert any(not r.matched and reason in r.reason for r in report.records), report.records
+    torch.testing.assert_close(got, variant(*args), rtol=1e-4, atol=1e-4)
+
+
+def _mxfp4_weights(codes, block_scale, dtype):
+    """Decoded codes [..., C] times one f32 scale a block of 32, [..., C/32] (the model's grouping)."""
+    return (fp4.decode_e2m1(codes).unflatten(-1, (-1, 32)) * block_scale.unsqueeze(-1)).flatten(-2).to(dtype)
+
+
+def _swapped_nibbles(packed, scale, glob, dtype):
+    codes = torch.stack([packed >> 4, packed & 0xF], dim=-1).flatten(-2)
+    return _mxfp4_weights(codes, fp4.ue8m0_to_float(scale), dtype)
+
+
+def _scale_bias_126(packed, scale, glob, dtype):
+    return _mxfp4_weights(fp4.unpack_e2m1(packed), torch.exp2(scale.float() - 126), dtype)
+
+
+def _scales_cycled(packed, scale, glob, dtype):
+    """Column c scaled by block c % (C/32) rather than c // 32."""
+    values, block_scale = fp4.decode_e2m1(fp4.unpack_e2m1(packed)), fp4.ue8m0_to_float(scale)
+    cycled = block_scale.unsqueeze(-2).expand(*block_scale.shape[:-1], 32, block_scale.shape[-1]).flatten(-2)
+    return (values * cycled).to(dtype)
+
+
+def _halved_columns(packed, scale, glob, dtype):
+    """Every other column times 0.5, a constant of the graph."""
+    return _dequantize(packed, scale, glob, dtype) * torch.tensor([0.5, 1.0] * packed.shape[-1])
+
+
+def _transposed(packed, scale, glob, dtype):
+    return _dequantize(packed, scale, glob, dtype).transpose(-1, -2)
+
+
+def _first_global_times(x, ids, weights, w13, s13, w2, s2, fmt, g13, g2, limit):
+    """The gate/up weights also times expert 0's global (read whole, not gathered)."""
+    return _variant(gate_up_weights=lambda *a: _dequantize(*a) * g13[0])(x, ids, weights, w13, s13, w2, s2, fmt,
+                                                                         g13, g2, limit)
+
+
+_DIFFER = "probe values differ"
+# name: (format, hidden, inter, MoE form, reason): weight paths of the ops the dequantisation may
+# hold that compute other weights; the op kinds alone do not tell.
+_OTHER_DEQUANTISATIONS = {
+    "times 2": ("mxfp4", HIDDEN, INTER, _variant(gate_up_weights=lambda *a: _dequantize(*a) * 2), _DIFFER),
+    "times a constant": ("mxfp4", HIDDEN, INTER, _variant(down_weights=_halved_columns), _DIFFER),
+    "global twice": ("nvfp4", HIDDEN, INTER,
+                     _variant(gate_up_weights=lambda p, s, g, dt: _dequantize(p, s, g, dt) * g[..., None, None]),
+                     _DIFFER),
+    "first global": ("nvfp4", HIDDEN, INTER, _first_global_times,
+                     "reads tensors other than the gathered codes, scales and globals"),
+    "swapped nibbles": ("mxfp4", HIDDEN, INTER, _variant(gate_up_weights=_swapped_nibbles), _DIFFER),
+    "scale bias 126": ("mxfp4", HIDDEN, INTER, _variant(down_weights=_scale_bias_126), _DIFFER),
+    "scales cycled": ("mxfp4", HIDDEN, INTER, _variant(gate_up_weights=_scales_cycled), _DIFFER),
+    "down transposed, I == K": ("nvfp4", HIDDEN, HIDDEN, _variant(down_weights=_transposed), _DIFFER),
+    # full-size experts are probed on a block of rows and columns (64 x 256)
+    "down transposed, I == K = 512": ("mxfp4", 512, 512, _variant(down_weights=_transposed), _DIFFER),
+}
+
+
+@pytest.mark.parametrize("name", list(_OTHER_DEQUANTISATIONS))
+def test_other_dequantisation_declined(name):
+    """Weight paths of dequantise-only ops that are not the op's dequantisation stay as they are."""
+    fmt, hidden, inter, variant, reason = _OTHER_DEQUANTISATIONS[name]
+    ids, weights = routing(3, seed=3)
+    x = torch.randn(3, hidden, generator=torch.Generator().manual_seed(3))
+    args = (x, ids, weights, *experts(fmt, hidden=hidden, inter=inter), 5.0)
     compiled, hook, report = compile_with_pass(variant)
     got = compiled(*args)
     assert hook.rewrites == 0
