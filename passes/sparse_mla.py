@@ -11,7 +11,8 @@ gathers along K (window + compressed pool): then the op reads the pools directly
 (e.g. SGLang's page-layout FP8 gather + dequantisation) is kept as it is, and the op runs over
 the materialised rows with identity indices. The mask must be one per (b, t, k), broadcast over
 heads, and derive from the gather's indices; a mask that is not exactly `idx >= 0` is folded into
-the indices (`where(mask, idx, -1)`), which is exact.
+the indices (`where(mask, idx.clamp(min=0), -1)`: a valid row at idx < 0 reads row 0, as the
+gather does), which is exact.
 
 Two normalisation forms are recognised:
   A. cat([L, sink column], -1), (optional max subtractions), exp, / sum, drop the last column
@@ -27,6 +28,12 @@ constant_pad_nd(x, zeros at the end of dims) and its output is sliced back. The 
 through that padding: zero rows of the contracted dim add nothing, and the slices drop the rest.
 At B*T = 1 on CUDA, inductor's bmm_to_mm has made each bmm an mm of the squeezed operands; that
 form is read as the bmm it came from (fx_match.match_bmm).
+
+Shapes alone cannot tell q @ k^T from q @ k when K == D, nor a softmax over keys from one over
+heads when H == K, and so on: every layout-only chain the match looks through (from q and the
+gathered rows to both products' operands, from the q.k product to the masked logits, from the mask,
+sink and row reductions to where they broadcast, and on to the output) is traced with labelled dims
+(_dims_after) and must put each of b, t, h, k, d where the op's math has it.
 """
 from __future__ import annotations
 
@@ -53,7 +60,7 @@ _LAYOUT = {aten.reshape.default, aten.view.default, aten._unsafe_view.default, a
            aten.permute.default, aten.transpose.int, aten.unsqueeze.default, aten.squeeze.dim,
            aten.squeeze.dims, aten.squeeze.default, aten.clone.default, prims.convert_element_type.default,
            aten.alias.default}
-_LAST = (-1, 3)
+_RESHAPES = {aten.reshape.default, aten.view.default, aten._unsafe_view.default}
 _PREPARE_SOFTMAX_ONLINE = inductor_prims.prepare_softmax_online
 
 
@@ -161,6 +168,128 @@ def _ancestors(node: Node, limit: int = 4000) -> set[Node]:
     return seen
 
 
+# ----------------------------------------------------------------------------- dim labels
+
+_BROADCAST = "*"
+_LETTERS = "abcdefgh"
+
+
+def _regroup(atoms: list, shape: tuple) -> list | None:
+    """Row-major atoms regrouped into dims of `shape`; None if a dim would cut an atom apart."""
+    flat = [atom for dim in atoms for atom in dim]
+    out = []
+    for size in shape:
+        dim, n = [], 1
+        while n < size and flat:
+            dim.append(flat.pop(0))
+            n *= dim[-1][1]
+        if n != size:
+            return None
+        out.append(dim)
+    return None if flat else out
+
+
+def _relabel(node: Node, atoms: list) -> list | None:
+    """The atoms of `node`'s dims from those of its input, for one layout-only op."""
+    shape = _shape(node)
+    if node.target == aten.permute.default:
+        return [atoms[d % len(atoms)] for d in node.args[1]]
+    if node.target == aten.transpose.int:
+        atoms = list(atoms)
+        d0, d1 = (d % len(atoms) for d in node.args[1:3])
+        atoms[d0], atoms[d1] = atoms[d1], atoms[d0]
+        return atoms
+    if node.target == aten.expand.default:
+        new = len(shape) - len(atoms)
+        old = _shape(node.args[0])
+        return ([[(_BROADCAST, s)] if s != 1 else [] for s in shape[:new]]
+                + [dim if s == o else [(_BROADCAST, s)] for dim, o, s in zip(atoms, old, shape[new:])])
+    if len(shape) != len(atoms) or node.target in _RESHAPES:  # reshape, (un)squeeze: row-major order kept
+        return _regroup(atoms, shape)
+    return atoms
+
+
+def _dims_after(node, source: Node, dims: list[str], sizes: dict, through=frozenset(),
+                regroup_to: tuple | None = None) -> list[str] | None:
+    """`node`'s dims as labels of `source`'s, when node is source through layout-only ops (and ops in
+    `through`, elementwise), then read row-major as `regroup_to` if given: dims names source's dims
+    (e.g. ["bt", "h", "d"], outer label first), sizes each label's size. Labels of size 1 are left
+    out; "*" marks a broadcast. None when node is not such a view of source, or a reshape cuts a
+    label apart, or a size is symbolic."""
+    path = []
+    while node is not source:
+        if not (isinstance(node, Node) and (node.target in _LAYOUT or node.target in through
+                                            or _is_full_slice(node))):
+            return None
+        path.append(node)
+        node = node.args[0]
+    if not all(isinstance(s, int) for n in [source, *path] for s in _shape(n)):
+        return None
+    atoms = [[(c, sizes[c]) for c in dim if sizes[c] != 1] for dim in dims]
+    if [math.prod(s for _, s in dim) for dim in atoms] != list(_shape(source)):
+        return None
+    for step in reversed(path):
+        atoms = _relabel(step, atoms)
+        if atoms is None:
+            return None
+    if regroup_to is not None:
+        atoms = _regroup(atoms, regroup_to)
+    return None if atoms is None else ["".join(c for c, _ in dim) for dim in atoms]
+
+
+def _show(dims) -> str:
+    return "[" + ", ".join(d or "1" for d in dims) + "]"
+
+
+def _require_dims(node, source: Node, dims: list[str], want: list[str], sizes: dict, what: str,
+                  broadcast: bool = False, **trace) -> None:
+    """Decline unless `node` is `source` (dims labelled `dims`) laid out as `want` (labels of size 1
+    left out); with `broadcast`, broadcasts are allowed anywhere. `trace`: _dims_after's options."""
+    got = _dims_after(node, source, dims, sizes, **trace)
+    if got is not None and broadcast:
+        got = [d.replace(_BROADCAST, "") for d in got]
+    want = ["".join(c for c in dim if sizes[c] != 1) for dim in want]
+    if got != want:
+        found = "not a layout of it" if got is None else _show(got)
+        raise _Decline(f"{what} has dims {found}, not {_show(want)}")
+
+
+def _letters(node) -> tuple[list[str], dict]:
+    """One label per dim of `node`, and their sizes."""
+    shape = _shape(node)
+    labels = list(_LETTERS[:len(shape)])
+    return labels, dict(zip(labels, shape))
+
+
+def _require_same_layout(node, source: Node, what: str) -> None:
+    """Decline unless `node` is `source` through ops that keep every element where it is."""
+    labels, sizes = _letters(source)
+    _require_dims(node, source, labels, labels, sizes, what)
+
+
+def _is_same_layout(node, source: Node) -> bool:
+    """Whether `node` is `source` through ops that keep every element where it is."""
+    labels, sizes = _letters(source)
+    return _dims_after(node, source, labels, sizes) == [c if sizes[c] != 1 else "" for c in labels]
+
+
+def _require_row_broadcast(node, red: Node, x: Node, dims: list[int], keepdim_at_use: bool, what: str) -> None:
+    """Decline unless `node` is the reduction `red` of `x` over `dims` (with or without keepdim)
+    laid out as that reduction over x's other dims: with the reduced dims kept as 1 where the result
+    broadcasts back against x (`keepdim_at_use`), else without them."""
+    labels, sizes = _letters(x)
+    if not labels:
+        raise _Decline(f"{what} reduces no tensor")
+    _require_dims(node, red, _reduced(labels, dims, len(_shape(red)) == len(labels)),
+                  _reduced(labels, dims, keepdim_at_use), sizes, what)
+
+
+def _reduced(labels: list[str], dims: list[int], keepdim: bool) -> list[str]:
+    """The labels of a reduction over `dims` of a tensor labelled `labels`."""
+    reduced = {d % len(labels) for d in dims}
+    return [("" if i in reduced else c) for i, c in enumerate(labels) if keepdim or i not in reduced]
+
+
 # ----------------------------------------------------------------------------- normalisation
 
 
@@ -183,7 +312,19 @@ def _online_softmax_input(num, den) -> Node | None:
     rank = len(_shape(x))
     if dim % rank != rank - 1:
         raise _Decline(f"softmax over dim {dim}, not the key axis")
+    _require_row_broadcast(diff.args[1], diff.args[1], x, [dim], True, "the softmax's row maximum")
+    _require_same_layout(x, _strip(x), "the softmax's input")
     return _strip(x)
+
+
+def _require_sink_layout(node, sink: Node, what: str, regroup_to: tuple | None = None) -> None:
+    """Decline unless `node` (read as `regroup_to` if given) is [B, T, H, ...] holding sink [H] along
+    its head dim, broadcast over the rest."""
+    rank = len(_shape(node) if regroup_to is None else regroup_to)
+    if len(_shape(sink)) != 1 or rank < 3:
+        raise _Decline(f"{what} from a sink of shape {_shape(sink)} is not [B, T, H, ...] of [H]")
+    want = ["", "", "h"] + [""] * (rank - 3)
+    _require_dims(node, sink, ["h"], want, {"h": _shape(sink)[0]}, what, broadcast=True, regroup_to=regroup_to)
 
 
 def _softmax_with_sink_column(p: Node):
@@ -192,14 +333,15 @@ def _softmax_with_sink_column(p: Node):
         raise _Decline("probabilities are not a slice of a normalised tensor")
     dim, start, end = (list(p.args[1:]) + [0, None, None])[:3]
     norm = _strip(p.args[0])  # a low-precision softmax is computed in f32 and cast back
+    _require_same_layout(p.args[0], norm, "the normalised tensor")
     rank = len(_shape(norm))
     width = _shape(norm)[-1] if rank else 0
     if dim % rank != rank - 1 or start not in (0, None) or end not in (-1, width - 1):
         raise _Decline("the sliced-off column is not the last one of the key axis")
     if norm.target != aten.div.Tensor:
         raise _Decline(f"normalisation by {norm.target}, not exp / sum")
-    num, den = norm.args
-    den = _strip(den)
+    num, den_use = norm.args
+    den = _strip(den_use)
     online = _online_softmax_input(num, den)
     if online is not None:
         x = online
@@ -210,23 +352,31 @@ def _softmax_with_sink_column(p: Node):
         if not _reduces_last(den):
             raise _Decline(f"softmax over dim {den.args[1]}, not the key axis")
         x = _strip(num.args[0])
+        _require_same_layout(num.args[0], x, "the softmax's input")
+    _require_row_broadcast(den_use, den, num, [-1], True, "the softmax's row sum")
     while isinstance(x, Node) and x.target == aten.sub.Tensor:  # subtract row maxima (stabilisers)
-        y, red = x.args
-        red = _strip(red)
+        y, red_use = x.args
+        red = _strip(red_use)
+        row_max = red
         if isinstance(red, Node) and red.target == operator.getitem:
             red = red.args[0]
         if not (isinstance(red, Node) and red.target in (aten.amax.default, aten.max.dim)
                 and red.args[0] is y and _reduces_last(red)):
             raise _Decline("a subtraction in the softmax that is not a row maximum over the key axis")
+        _require_row_broadcast(red_use, row_max, y, [-1], True, "a row maximum subtracted in the softmax")
         x = _strip(y)
+        _require_same_layout(y, x, "the softmax's input")
     if x.target != aten.cat.default or len(x.args[0]) != 2:
         raise _Decline("no sink column concatenated to the logits")
     cat_dim = x.args[1] if len(x.args) > 1 else 0
     if cat_dim % rank != rank - 1:
         raise _Decline("the sink is not concatenated along the key axis")
-    logits, sink_col = x.args[0]
+    logits_use, sink_col = x.args[0]
+    logits = _strip(logits_use)
+    _require_same_layout(logits_use, logits, "the logits in the softmax")
     sink = _strip(sink_col)
-    return _strip(logits, {prims.convert_element_type.default}), sink
+    _require_sink_layout(sink_col, sink, "the sink column")
+    return logits, sink
 
 
 def _logsumexp(node) -> tuple[Node, list]:
@@ -246,22 +396,43 @@ def _logsumexp(node) -> tuple[Node, list]:
     diff = total.args[0].args[0]
     if diff.target != aten.sub.Tensor:
         raise _Decline("not a logsumexp")
-    x, m = diff.args
-    if _strip(shift) is not m:
+    x, shift_full = diff.args
+    if _strip(shift) is not shift_full:
         raise _Decline("logsumexp shift mismatch")
-    if m.target == aten.where.self:  # where(|amax| == inf, 0, amax)
-        m = m.args[2]
+    m = shift_full.args[2] if shift_full.target == aten.where.self else shift_full  # where(|amax| == inf, 0, amax)
+    dims = list(total.args[1])
+    rank = len(_shape(x))
     if m.target != aten.amax.default or m.args[0] is not x:
         raise _Decline("logsumexp without its row maximum")
-    return x, list(total.args[1])
+    if {d % rank for d in m.args[1]} != {d % rank for d in dims} or len(_shape(m)) != rank:
+        raise _Decline("the logsumexp's row maximum is not over its summed dims, kept as 1")
+    _require_row_broadcast(shift, shift_full, x, dims, False, "the logsumexp's shift")
+    return x, dims
+
+
+def _require_stack_of_two(stacked: Node, cat: Node) -> None:
+    """Decline unless `stacked` is stack([a, b]) as torch decomposes it: cat([a, b], 0) of two equal
+    shapes, reshaped (row-major) to [2, ...]."""
+    a, b = cat.args[0]
+    cat_dim = cat.args[1] if len(cat.args) > 1 else 0
+    rank = len(_shape(cat))
+    if cat_dim % max(rank, 1) != 0 or _shape(a) != _shape(b) or len(_shape(a)) != rank:
+        raise _Decline("the normaliser's (lse, sink) are not stacked along a new leading dim")
+    labels, sizes = _letters(a)
+    sizes["s"] = 2
+    part = "".join(c for c in labels if sizes[c] != 1)
+    got = _dims_after(stacked, cat, ["s" + labels[0], *labels[1:]], sizes)
+    if got is None or got[0] != "s" or "".join(got[1:]) != part:
+        raise _Decline("the normaliser's (lse, sink) are not stacked along a new leading dim")
 
 
 def _exp_minus_logsumexp_with_sink(p: Node):
     """Form B: returns (L, sink, lse of L or None) or raises _Decline."""
     if p.target != aten.exp.default or p.args[0].target != aten.sub.Tensor:
         raise _Decline("probabilities are neither a sliced softmax nor exp(x - lse)")
-    logits, z = p.args[0].args
-    z = _strip(z)
+    logits, z_use = p.args[0].args
+    z = _strip(z_use)
+    _require_row_broadcast(z_use, z, logits, [-1], True, "the normaliser")
     lse_all = z
     if z.target == aten.index_put.default:  # rows with nothing valid get +inf: their weights are 0
         if not _is_full_of(z.args[2], float("inf")):
@@ -271,13 +442,23 @@ def _exp_minus_logsumexp_with_sink(p: Node):
     rows = _strip(stacked)
     if rows.target != aten.cat.default or len(rows.args[0]) != 2 or dims not in ([0], [-len(_shape(stacked))]):
         raise _Decline("the normaliser is not a logsumexp over (lse, sink)")
-    lse_l, sink_b = rows.args[0]
-    x, ldims = _logsumexp(_strip(lse_l))
+    _require_stack_of_two(stacked, rows)
+    lse_use, sink_use = rows.args[0]
+    lse_l = _strip(lse_use)
+    x, ldims = _logsumexp(lse_l)
     if x is not logits:
         raise _Decline("the inner logsumexp is over other logits")
     if len(ldims) != 1 or ldims[0] % len(_shape(x)) != len(_shape(x)) - 1:
         raise _Decline(f"logsumexp over dims {ldims}, not the key axis")
-    return logits, _strip(sink_b), _strip(lse_l)
+    labels, sizes = _letters(x)
+    rows_of = dict(regroup_to=_shape(stacked)[1:])
+    _require_dims(lse_use, lse_l, _reduced(labels, ldims, len(_shape(lse_l)) == len(labels)), labels[:-1],
+                  sizes, "the lse in the normaliser", **rows_of)
+    sink = _strip(sink_use)
+    _require_sink_layout(sink_use, sink, "the sink in the normaliser", **rows_of)
+    if z is not lse_all and not (len(z.args[1]) == 1 and _is_lonely_rows(z.args[1][0], lse_l)):
+        raise _Decline("the +inf fix-up of the normaliser is not on the rows with nothing valid")
+    return logits, sink, lse_l
 
 
 # ----------------------------------------------------------------------------- match
@@ -310,28 +491,42 @@ def _mask(cond: Node, minus_inf_when_true: bool, shape: tuple) -> tuple[Node, bo
 
 
 def _gathers(v: Node):
-    """[(rows, idx)] when V is rows[idx.clamp(min=0)] or a cat of two along K, else None."""
+    """[(rows, idx)] when V is rows[idx.clamp(min=0)] or a cat of two along K (each as it is), else None."""
     parts = v.args[0] if v.target == aten.cat.default and v.args[1] in (2, -2) else [v]
     pools = []
-    for part in parts:
-        part = _strip(part)
-        if not (isinstance(part, Node) and part.target == aten.index.Tensor and len(part.args[1]) == 1):
+    for part_use in parts:
+        part = _strip(part_use)
+        if not (isinstance(part, Node) and part.target == aten.index.Tensor and len(part.args[1]) == 1
+                and _is_same_layout(part_use, part)):
             return None
         rows, index = part.args[0], _strip(part.args[1][0])
-        if isinstance(index, Node) and index.target in (aten.clamp_min.default, aten.clamp.default):
-            if index.args[1] != 0:
-                return None
-            index = _strip(index.args[0])
+        if not _is_same_layout(part.args[1][0], index):
+            return None
+        if not (isinstance(index, Node) and index.target in (aten.clamp_min.default, aten.clamp.default)
+                and index.args[1] == 0 and (list(index.args) + [None])[2] is None
+                and _is_same_layout(index.args[0], _strip(index.args[0]))):
+            return None  # rows[idx] unclamped reads row N - 1 at idx = -1
+        index = _strip(index.args[0])
         if len(_shape(rows)) != 2 or len(_shape(index)) != 3 or _val(index).dtype not in (torch.int32, torch.int64):
             return None
         pools.append((rows, index))
     return pools if len(pools) in (1, 2) else None
 
 
+def _require_rows_layout(operand, rows: Node, fill: Node | None, want: list[str], sizes: dict, what: str) -> None:
+    """Decline unless the product operand is the gathered rows [B, T, K, D] (through their zero
+    fill, if that is what the operand reads) laid out as `want`."""
+    source = rows
+    if fill is not None and _strip(operand) is fill:
+        _require_same_layout(fill.args[0], rows, "the zero-filled rows")
+        source = fill
+    _require_dims(operand, source, list("btkd"), want, sizes, what)
+
+
 def _match(pv: Node) -> _Match:
-    p_side, v_side = _bmm_operands(pv)
+    p_side, pv_rows = _bmm_operands(pv)
     p = _strip(p_side)
-    v_side = _strip(v_side)
+    v_side = _strip(pv_rows)
     zeroed_by = None
     zeroed_values = None  # V's own zero fill, which K may share (then it is the same node)
     if isinstance(v_side, Node) and v_side.target == aten.index_put.default and _is_full_of(v_side.args[2], 0.0):
@@ -377,12 +572,12 @@ def _match(pv: Node) -> _Match:
         scores, scale = scale, scores
     if not isinstance(scale, (int, float)):
         raise _Decline("the softmax scale is not a constant")
-    qk = _unpadded_bmm(_strip(scores))
+    qk = _unpadded_bmm(_strip(scores))  # pad_mm's slices leave the product's dims as they are
     if not isinstance(qk, Node):
         raise _Decline("the logits are not a q.k product")
-    q_side, k_side = _bmm_operands(qk, "the logits")
+    q_side, qk_rows = _bmm_operands(qk, "the logits")
     q = _layout_source_of_shape(q_side, (batch, tokens, heads, dim))
-    k_side = _strip(k_side)
+    k_side = _strip(qk_rows)
     if isinstance(k_side, Node) and k_side.target == aten.index_put.default:
         if k_side is not zeroed_values:
             raise _Decline("the keys are written (index_put) apart from the values' zero fill")
@@ -393,6 +588,19 @@ def _match(pv: Node) -> _Match:
         raise _Decline(f"q of shape {_shape(q)} does not match [B, T, H, D] = {(batch, tokens, heads, dim)}")
     if zeroed_by is not None and zeroed_by is not mask:
         raise _Decline("rows are zeroed by a mask other than the attention mask")
+    if zeroed_by is not None and not _is_same_layout(zeroed_values.args[1][0], mask):
+        raise _Decline("the rows' zero fill reads the attention mask in another layout")
+    sizes = dict(b=batch, t=tokens, h=heads, k=keys, d=dim)
+    _require_dims(q_side, q, list("bthd"), ["bt", "h", "d"], sizes, "q in the q.k product")
+    _require_rows_layout(qk_rows, v_side, zeroed_values, ["bt", "d", "k"], sizes,
+                         "the keys in the q.k product (K transposed)")
+    qk_out = _strip(scores)
+    _require_dims(scores, qk_out, ["bt", "h", "k"][3 - len(_shape(qk_out)):], list("bthk"), sizes,
+                  "the q.k product read as logits")
+    _require_dims(cond, mask, list("btk"), ["b", "t", "", "k"], dict(sizes, **dict(zip("btk", _shape(mask)))),
+                  "the mask applied to the logits", broadcast=True, through={aten.bitwise_not.default})
+    _require_dims(p_side, p, list("bthk"), ["bt", "h", "k"], sizes, "the probabilities in the PV product")
+    _require_rows_layout(pv_rows, v_side, zeroed_values, ["bt", "k", "d"], sizes, "the values in the PV product")
 
     pools = _gathers(v_side)
     index_inputs = {idx for _, idx in pools} if pools else {n for n in _ancestors(v_side)
@@ -405,32 +613,48 @@ def _match(pv: Node) -> _Match:
         expected = [n for _, n in pools]
         parts = mask.args[0] if mask.target == aten.cat.default and len(pools) == 2 else [mask]
         exact = len(parts) == len(expected) and all(
-            part.target == aten.ge.Scalar and part.args[1] == 0 and _strip(part.args[0]) is idx
+            part.target == aten.ge.Scalar and part.args[1] == 0 and _is_same_layout(part.args[0], idx)
             for part, idx in zip(parts, expected))
     if pools is None:
         pools = [(v_side, None)]
-    out = _output_node(pv, (batch, tokens, heads, dim), lse_l)
+    out = _output_node(pv, sizes, lse_l)
     return _Match(form, q, pools, mask, mask_is_valid, exact, sink, float(scale), out)
 
 
-def _output_node(pv: Node, shape: tuple, lse_l: Node | None) -> Node:
+def _output_node(pv: Node, sizes: dict, lse_l: Node | None) -> Node:
     """The first node after the PV bmm (through layout ops, and pad_mm's slices when its operands
-    are padded) holding out [B,T,H,D]."""
-    node = pv
+    are padded) holding out [B,T,H,D] as the op does."""
+    shape = tuple(sizes[c] for c in "bthd")
+    node = product = pv
     padded = pv.target == aten.bmm.default and _bmm_operands(pv) != tuple(pv.args[:2])
     while _shape(node) != shape:
         users = list(node.users)
         if len(users) != 1 or not (users[0].target in _LAYOUT or (padded and _is_unpad_slice(users[0]))):
             raise _Decline("the attention output is not reshaped back to [B, T, H, D]")
         node = users[0]
+        if padded and _is_unpad_slice(node):
+            product = node  # pad_mm's slices leave the product's dims as they are
+    _require_dims(node, product, ["bt", "h", "d"][3 - len(_shape(product)):], list("bthd"), sizes,
+                  "the attention output")
     users = list(node.users)
     if lse_l is not None and len(users) == 1 and users[0].target == aten.index_put.default:
-        fix = users[0]  # zero rows with nothing valid: the op already gives 0 there
-        lonely = _strip(fix.args[1][0]) if len(fix.args[1]) == 1 else None
-        if (_is_full_of(fix.args[2], 0.0) and isinstance(lonely, Node) and lonely.target == aten.eq.Scalar
-                and lonely.args[1] == float("-inf") and _strip(lonely.args[0]) is lse_l):
+        fix = users[0]  # zero rows with nothing valid: the op already gives 0 there (else the fix stays)
+        if _is_full_of(fix.args[2], 0.0) and len(fix.args[1]) == 1 and _is_lonely_rows(fix.args[1][0], lse_l):
             node = fix
     return node
+
+
+def _is_lonely_rows(rows_use, lse: Node) -> bool:
+    """Whether `rows_use` is lse == -inf (lse [B, T, H]: the rows with nothing valid), broadcast over
+    any trailing dims."""
+    lonely = _strip(rows_use)
+    if not (isinstance(lonely, Node) and lonely.target == aten.eq.Scalar and lonely.args[1] == float("-inf")
+            and _is_same_layout(lonely.args[0], lse)):
+        return False
+    labels, sizes = _letters(lonely)
+    got = _dims_after(rows_use, lonely, labels, sizes)
+    want = [c if sizes[c] != 1 else "" for c in labels] + [""] * (len(_shape(rows_use)) - len(labels))
+    return got is not None and [d.replace(_BROADCAST, "") for d in got] == want
 
 
 # ----------------------------------------------------------------------------- rewrite
@@ -460,7 +684,8 @@ def _rewrite(graph: Graph, m: _Match) -> None:
         pools = []
         offset = 0
         for rows, idx in m.pools:
-            if idx is None:  # materialised V: identity indices over its [B*T*K, D] rows
+            gathered = idx is not None
+            if not gathered:  # materialised V: identity indices over its [B*T*K, D] rows
                 keys = _val(rows).shape[2]
                 rows = _emit(graph, fake_mode, aten.reshape.default, rows, [batch * tokens * keys, dim])
                 idx = _emit(graph, fake_mode, prims.iota.default, batch * tokens * keys, start=0, step=1,
@@ -475,6 +700,8 @@ def _rewrite(graph: Graph, m: _Match) -> None:
                 part = _emit(graph, fake_mode, aten.slice.Tensor, skip, 2, offset, offset + keys)
                 minus_one = _emit(graph, fake_mode, aten.full.default, [], -1, dtype=torch.int32,
                                   device=q_val.device)
+                if gathered:
+                    idx = _emit(graph, fake_mode, aten.clamp_min.default, idx, 0)
                 idx = _emit(graph, fake_mode, aten.where.self, part, minus_one, idx)
             offset += keys
             pools.append((rows, idx))

@@ -396,3 +396,128 @@ def test_keys_written_apart_from_the_values_are_declined():
 
     report = _declined_with_sink_softmax(logits_of)
     assert any("keys are written" in r.reason for r in report.records if not r.matched)
+
+
+# ----------------------------------------------------------------------------- sizes that coincide
+# With K == D, H == K, T == H (or H == K + 1 against a row reduction's kept dim) shapes cannot tell
+# the layouts apart: a transposed operand or a reduction broadcast along the wrong dim still fits.
+
+EQUAL = dict(batch=2, tokens=16, heads=16, keys=16, dim=16)  # T == H == K == D (the op needs D % 16 == 0)
+HEADS_KEYS_PLUS_ONE = dict(batch=2, tokens=2, heads=5, keys=4, dim=16)  # H == K + 1: [B,T,1,H] fits [B,T,H,K+1]
+ONE_BATCH = dict(batch=1, tokens=4, heads=4, keys=4, dim=16)  # B == 1, T == H
+
+
+def coinciding_inputs(batch, tokens, heads, keys, dim, seed=0):
+    """f32 (q, kv, idx, sink) at the given sizes; idx has -1 entries, token 0 of request 0 has none valid."""
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(-1, 40, (batch, tokens, keys), generator=gen).to(torch.int32)
+    idx[0, 0] = -1
+    return (torch.randn(batch, tokens, heads, dim, generator=gen), torch.randn(40, dim, generator=gen), idx,
+            torch.randn(heads, generator=gen))
+
+
+def sink_column_attention(q, kv, idx, sink, variant=""):
+    """The model's form (sink column, exp / sum with a row maximum), written out; `variant` lays one
+    piece out wrongly where sizes coincide."""
+    rows = gather_rows(kv, idx)
+    batch, tokens, heads, _ = q.shape
+    logits = torch.matmul(q, rows if variant == "keys" else rows.transpose(-1, -2))
+    logits = (logits.transpose(-1, -2) if variant == "logits" else logits) * 0.125
+    valid = idx >= 0
+    logits = logits.masked_fill(~(valid.unsqueeze(-1) if variant == "mask" else valid.unsqueeze(2)), float("-inf"))
+    sinks = sink.view(1, heads, 1, 1) if variant == "sink" else sink.view(1, 1, heads, 1)
+    combined = torch.cat([logits, sinks.expand(batch, tokens, heads, 1)], dim=-1)
+    row_max = combined.amax(-1, keepdim=True)
+    weights = torch.exp(combined - (row_max.transpose(-1, -2) if variant == "max" else row_max))
+    total = weights.sum(-1, keepdim=True)
+    probs = (weights / (total.transpose(-1, -2) if variant == "sum" else total))[..., :-1]
+    values = rows.transpose(-1, -2) if variant == "values" else rows
+    if variant == "output":  # B == 1: a [T, H, D] product read back as [1, H, T, D]
+        return torch.matmul(probs.squeeze(0), values.squeeze(0)).transpose(0, 1).unsqueeze(0)
+    return torch.matmul(probs, values)
+
+
+def lse_sink_attention(q, kv, idx, sink, variant=""):
+    """SGLang's normalisation written out: zero-filled rows, exp(L - logsumexp(stack(lse, sink))) with
+    +inf on rows that have nothing valid; `variant` lays one piece out wrongly where sizes coincide
+    (or, for "fixup", puts the +inf on other rows)."""
+    invalid = idx < 0
+    rows = gather_rows(kv, idx)
+    rows[invalid.transpose(1, 2) if variant == "fill" else invalid] = 0.0
+    logits = (torch.matmul(q, rows.transpose(-1, -2)) * 0.125).masked_fill(invalid.unsqueeze(2), float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)
+    sinks = (sink.view(1, -1, 1) if variant == "sink" else sink.view(1, 1, -1)).expand_as(lse)
+    norm = torch.logsumexp(torch.stack([lse.transpose(1, 2) if variant == "lse" else lse, sinks]), dim=0)
+    norm[lse > 0 if variant == "fixup" else lse == float("-inf")] = float("inf")
+    shift = norm.unsqueeze(-2) if variant == "normaliser" else norm.unsqueeze(-1)
+    return torch.matmul(torch.exp(logits - shift), rows)
+
+
+def assert_declined(fn, args, reason):
+    """The pass declines every site of fn with `reason` and the compiled fn computes as eager."""
+    out, code, report = compile_with_pass(fn, *args)
+    assert report.count("sparse_mla") == 0 and "dsv4.sparse_mla" not in code
+    declined = [r for r in report.records if r.pass_name == "sparse_mla" and not r.matched]
+    assert declined and all(reason in r.reason for r in declined), report.records
+    torch.testing.assert_close(out, fn(*args), **TOL[torch.float32])
+
+
+def assert_rewritten(fn, args):
+    out, code, report = compile_with_pass(fn, *args)
+    assert report.count("sparse_mla") == 1 and "dsv4.sparse_mla" in code and "bmm" not in code, report.records
+    torch.testing.assert_close(out, fn(*args), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("fn", [sink_column_attention, lse_sink_attention, window_attention])
+@pytest.mark.parametrize("sizes", [EQUAL, HEADS_KEYS_PLUS_ONE, ONE_BATCH], ids=["equal", "h=k+1", "b=1"])
+def test_coinciding_sizes_in_the_right_layout_are_rewritten(fn, sizes):
+    assert_rewritten(fn, coinciding_inputs(**sizes))
+
+
+def test_output_read_back_in_the_right_layout_is_rewritten():
+    assert_rewritten(sink_column_attention, coinciding_inputs(**ONE_BATCH))
+
+
+@pytest.mark.parametrize("variant, sizes, reason", [
+    ("keys", EQUAL, "the keys in the q.k product (K transposed) has dims [bt, k, d], not [bt, d, k]"),
+    ("values", EQUAL, "the values in the PV product has dims [bt, d, k], not [bt, k, d]"),
+    ("logits", EQUAL, "the q.k product read as logits has dims [b, t, k, h], not [b, t, h, k]"),
+    ("mask", EQUAL, "the mask applied to the logits has dims"),
+    ("sink", EQUAL, "the sink column has dims"),
+    ("max", HEADS_KEYS_PLUS_ONE, "a row maximum subtracted in the softmax has dims"),
+    ("sum", HEADS_KEYS_PLUS_ONE, "the softmax's row sum has dims"),
+    ("output", ONE_BATCH, "the attention output has dims [1, h, t, d], not [1, t, h, d]"),
+])
+def test_sink_column_form_laid_out_otherwise_is_declined(variant, sizes, reason):
+    fn = lambda *a: sink_column_attention(*a, variant=variant)  # noqa: E731
+    assert_declined(fn, coinciding_inputs(**sizes), reason)
+
+
+@pytest.mark.parametrize("variant, reason", [
+    ("fill", "the rows' zero fill reads the attention mask in another layout"),
+    ("lse", "the lse in the normaliser has dims [a, c, b], not [a, b, c]"),
+    ("sink", "the sink in the normaliser has dims"),
+    ("normaliser", "the normaliser has dims [a, b, 1, c], not [a, b, c, 1]"),
+    ("fixup", "the +inf fix-up of the normaliser is not on the rows with nothing valid"),
+])
+def test_lse_form_laid_out_otherwise_is_declined(variant, reason):
+    fn = lambda *a: lse_sink_attention(*a, variant=variant)  # noqa: E731
+    assert_declined(fn, coinciding_inputs(**EQUAL), reason)
+
+
+def gather_with_transposed_indices(q, kv, idx, sink):
+    """T == K: rows[b, t, k] = kv[idx[b, k, t]], valid where idx[b, k, t] >= 0."""
+    rows = kv[idx.transpose(1, 2).clamp(min=0).long()]
+    return sparse_attention_with_sink(q, rows, (idx >= 0).transpose(1, 2), sink, 0.125)
+
+
+def mask_of_transposed_indices(q, kv, idx, sink):
+    """T == K: rows gathered by idx as they are, masked where idx[b, k, t] < 0."""
+    return sparse_attention_with_sink(q, gather_rows(kv, idx), idx.transpose(1, 2) >= 0, sink, 0.125)
+
+
+@pytest.mark.parametrize("fn", [gather_with_transposed_indices, mask_of_transposed_indices])
+def test_indices_read_in_another_layout_are_not_passed_as_they_are(fn):
+    # The rows (or the mask) read idx transposed: the op runs over the materialised rows (or with the
+    # mask folded into the indices) instead of reading the pool through idx as it is.
+    assert_rewritten(fn, coinciding_inputs(**EQUAL))
