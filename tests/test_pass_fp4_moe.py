@@ -245,6 +245,12 @@ def _halved_columns(packed, scale, glob, dtype):
     return _dequantize(packed, scale, glob, dtype) * torch.tensor([0.5, 1.0] * packed.shape[-1])
 
 
+def _up_rows_first(packed, scale, glob, dtype):
+    weights = _dequantize(packed, scale, glob, dtype)
+    half = weights.shape[-2] // 2
+    return torch.cat([weights[..., half:, :], weights[..., :half, :]], dim=-2)
+
+
 def _transposed(packed, scale, glob, dtype):
     return _dequantize(packed, scale, glob, dtype).transpose(-1, -2)
 
@@ -270,8 +276,11 @@ _OTHER_DEQUANTISATIONS = {
     "scale bias 126": ("mxfp4", HIDDEN, INTER, _variant(down_weights=_scale_bias_126), _DIFFER),
     "scales cycled": ("mxfp4", HIDDEN, INTER, _variant(gate_up_weights=_scales_cycled), _DIFFER),
     "down transposed, I == K": ("nvfp4", HIDDEN, HIDDEN, _variant(down_weights=_transposed), _DIFFER),
+    "up rows first": ("mxfp4", HIDDEN, INTER, _variant(gate_up_weights=_up_rows_first), _DIFFER),
     # full-size experts are probed on a block of rows and columns (64 x 256)
     "down transposed, I == K = 512": ("mxfp4", 512, 512, _variant(down_weights=_transposed), _DIFFER),
+    "up rows first, 2I = 512": ("mxfp4", 128, 256, _variant(gate_up_weights=_up_rows_first),
+                                "cannot be run on probe values"),
 }
 
 
