@@ -19,6 +19,9 @@ becomes view(indexer_topk_physical(q, weights[:, None], k_cache, k_scale, page_t
 clamp(lens, 0, S)[:, None], K), [T, K]), where k_cache [P, 64, D] fp8 and k_scale [P, 64] f32
 are strided views of the same cache bytes (never copies). `scores[row, sel] != -inf` is true
 for every selected slot when lens > K and the scores are finite, which is the op's contract.
+Rows stay aligned without following dims: every step from the page table and from q to the bmm
+is pinned (the gather, a last-dim slice, a dtype view, one reshape to [T, S, D]; q[:, 0] permuted
+[0, 2, 1]) and all of them have T rows. Who may read the top-k: passes/indexer.py.
 """
 from __future__ import annotations
 

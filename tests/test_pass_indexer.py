@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 import dsv4_compile.kernels.indexer_topk  # noqa: F401  (registers the op)
-from dsv4_compile.model.hotspots import indexer_topk_full_context
+from dsv4_compile.model.hotspots import gather_rows, indexer_topk_full_context, sparse_attention_with_sink
 from dsv4_compile.passes import indexer
 from helpers import BmmToMmOnCpu, TargetsBefore, compile_with_probe
 
@@ -66,19 +66,36 @@ def test_dynamic_batch_matches_with_symbolic_sizes():
     assert report.count(indexer.PASS_NAME) == 1
 
 
-def _variant(activation=F.relu, sum_dim=2, topk_dim=-1):
+def _masked(top, visible):
+    return torch.where(top >= visible.unsqueeze(-1), -1, top).to(torch.int32)
+
+
+def _variant(activation=F.relu, sum_dim=2, topk_dim=-1, keys_at=1, tail=_masked, sort=True):
+    """The hot spot with one piece changed; keys_at: where keys^T [B, D, S] gets the dim that
+    broadcasts over the tokens (0: request t's keys score the query (b, t), legal when B == T)."""
     def step(q, weights, k_pages, page_table, positions, topk=16):
         visible = (positions + 1) // 4
         batch, _, _, head_dim = q.shape
         keys = k_pages[page_table.long()].reshape(batch, -1, head_dim)
-        logits = torch.matmul(q.float(), keys.float().transpose(-1, -2).unsqueeze(1))
+        logits = torch.matmul(q.float(), keys.float().transpose(-1, -2).unsqueeze(keys_at))
         scores = activation(logits) * SCALE
         scores = (scores * weights.unsqueeze(-1)).sum(dim=sum_dim)
         slots = torch.arange(scores.shape[-1], device=scores.device)
         scores = scores.masked_fill(slots.view(1, 1, -1) >= visible.unsqueeze(-1), float("-inf"))
-        top = scores.topk(topk, dim=topk_dim).indices
-        return torch.where(top >= visible.unsqueeze(-1), -1, top).to(torch.int32)
+        top = scores.topk(topk, dim=topk_dim, sorted=sort).indices
+        return tail(top, visible)
     return step
+
+
+def _mask_too(top, visible):
+    """The indices and the mask of the hidden ones, the mask in torch.topk's order."""
+    hidden = top >= visible.unsqueeze(-1)
+    return torch.where(hidden, -1, top).to(torch.int32), hidden
+
+
+def _reading(reader):
+    """model_step whose indices are read by `reader`."""
+    return lambda *args: reader(model_step(*args))
 
 
 @pytest.mark.parametrize("fn, kwargs, reason", [
@@ -88,17 +105,66 @@ def _variant(activation=F.relu, sum_dim=2, topk_dim=-1):
     (model_step, dict(page=32), "page size 32 != 64"),
     (model_step, dict(heads=2), "heads 2 not in [4, 128]"),
     (model_step, dict(dim=40), "head dim 40"),
+    # B == T: the keys of request t score the query (b, t)
+    (_variant(keys_at=0), {}, "requests mixed"),
+    # readers of the top-k that depend on its order (the op's order is unspecified)
+    (_reading(lambda idx: idx[..., 0]), {}, "aten.select.int"),
+    (_reading(lambda idx: idx[..., :4]), {}, "takes part of the top-k indices by position"),
+    (_reading(lambda idx: (idx >= 0).int().cumsum(-1)), {}, "aten.cumsum"),
+    (_reading(lambda idx: idx * torch.arange(16)), {}, "varies along the top-k dim"),
+    (_variant(tail=_mask_too), {}, "the top-k is also read by"),
 ])
 def test_other_forms_declined(fn, kwargs, reason):
     compiled, report, hook = compile_with_pass(fn)
     opts = dict(batch=2, tokens=2, dtype=torch.float32, seed=3)
     opts.update(kwargs)
     args = make_inputs(**opts)
-    assert torch.equal(compiled(*args), fn(*args))  # untouched: inductor's own code, same order
+    for got, want in zip(*(torch.utils._pytree.tree_leaves(out) for out in (compiled(*args), fn(*args)))):
+        assert torch.equal(got, want)  # untouched: inductor's own code, same order
     assert report.count(indexer.PASS_NAME) == 0
     assert torch.ops.dsv4.indexer_topk.default not in hook.targets
     (record,) = [r for r in report.records if r.pass_name == indexer.PASS_NAME]
     assert not record.matched and reason in record.reason, record.reason
+
+
+def attend_step(q, weights, k_pages, page_table, positions, rows, sink):
+    """The model's reader of the indices: attention over the selected rows (order-free)."""
+    idx = model_step(q, weights, k_pages, page_table, positions)
+    return sparse_attention_with_sink(q, gather_rows(rows, idx), idx >= 0, sink, SCALE)
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_attention_over_the_selection_is_rewritten(tokens):
+    compiled, report, hook = compile_with_pass(attend_step)
+    gen = torch.Generator().manual_seed(8)
+    args = make_inputs(2, tokens, torch.float32, 8) + (torch.randn(3 * 64, 32, generator=gen),
+                                                   torch.randn(8, generator=gen))
+    torch.testing.assert_close(compiled(*args), attend_step(*args))
+    assert report.count(indexer.PASS_NAME) == 1
+    assert torch.ops.dsv4.indexer_topk.default in hook.targets
+
+
+def test_indices_written_into_a_graph_input_are_rewritten():
+    """A copy into (part of) a graph input is an output: the caller gets the op's order."""
+    def fn(q, weights, k_pages, page_table, positions, buffer):
+        buffer[:, :q.shape[1]] = model_step(q, weights, k_pages, page_table, positions)
+
+    compiled, report, hook = compile_with_pass(fn)
+    args = make_inputs(2, 2, torch.float32, 9)
+    got, want = torch.zeros(2, 4, 16, dtype=torch.int32), torch.zeros(2, 4, 16, dtype=torch.int32)
+    compiled(*args, got)
+    fn(*args, want)
+    same_selection(got, want)
+    assert report.count(indexer.PASS_NAME) == 1
+    assert torch.ops.dsv4.indexer_topk.default in hook.targets
+
+
+def test_unsorted_topk_readers_are_not_followed():
+    """topk(sorted=False) leaves the order to the implementation: even idx[..., 0] may take the op's."""
+    fn = _variant(sort=False, tail=lambda top, visible: _masked(top, visible)[..., 0])
+    compiled, report, _ = compile_with_pass(fn)
+    compiled(*make_inputs(2, 2, torch.float32, 3))
+    assert report.count(indexer.PASS_NAME) == 1
 
 
 def test_topk_above_2048_declined_with_reason():

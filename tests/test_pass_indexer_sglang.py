@@ -187,6 +187,51 @@ def test_other_forms_declined(sgl, change, reason):
     assert not record.matched and reason in record.reason, record.reason
 
 
+def test_indices_written_into_a_graph_input_are_rewritten(sgl):
+    """SGLang writes the top-k into the first rows of a metadata buffer (`c4_sparse_page_indices`),
+    a graph input that its attention backend reads: the site is rewritten, the other rows kept."""
+    topk = 32
+
+    def fn(q, cache, weights, lens, page_table, buffer):
+        kv = cache.view(cache.shape[0], PAGE, 1, DIM + 4)
+        logits = sgl.fp8_paged_mqa_logits_torch(q, kv, weights, lens, page_table, None,
+                                                page_table.shape[1] * PAGE, False)
+        sgl.topk_transform_pytorch_vectorized(logits, lens, page_table, buffer[:q.shape[0]], PAGE)
+
+    compiled, report, hook = compile_with_pass(fn)
+    args = sglang_inputs(3, 2, seed=9)
+    got, want = torch.zeros(8, topk, dtype=torch.int32), torch.zeros(8, topk, dtype=torch.int32)
+    compiled(*args, got)
+    fn(*args, want)
+    assert_same_selection(got[:6], want[:6], *args)
+    assert (got[6:] == 0).all()
+    assert report.count(indexer.PASS_NAME) == 1
+    assert torch.ops.dsv4.indexer_topk_physical.default in hook.targets
+
+
+def test_raw_indices_also_written_declined(sgl):
+    """With `out_raw_indices` (SGLang's indexer capture, hisparse) the logical indices are written
+    too, in torch.topk's order, pairing position by position with the physical ones: the op would
+    give the physical ones in its own order, so the pass declines."""
+    topk = 32
+
+    def fn(q, cache, weights, lens, page_table):
+        kv = cache.view(cache.shape[0], PAGE, 1, DIM + 4)
+        logits = sgl.fp8_paged_mqa_logits_torch(q, kv, weights, lens, page_table, None,
+                                                page_table.shape[1] * PAGE, False)
+        out, raw = (torch.full((q.shape[0], topk), -1, dtype=torch.int32) for _ in range(2))
+        sgl.topk_transform_pytorch_vectorized(logits, lens, page_table, out, PAGE, raw)
+        return out, raw
+
+    compiled, report, hook = compile_with_pass(fn)
+    args = sglang_inputs(2, 1, seed=3, heads=8)
+    for got, want in zip(compiled(*args), fn(*args)):
+        assert torch.equal(got, want)  # untouched: inductor's own code, same order
+    assert torch.ops.dsv4.indexer_topk_physical.default not in hook.targets
+    (record,) = report.records
+    assert not record.matched and "the top-k is also read by" in record.reason, record.reason
+
+
 def test_filled_arange_cache_declined(sgl):
     """With SGLang's own `_arange_cache` (a plain dict) filled by an eager call, dynamo passes
     the cached aranges as graph inputs: the slot numbers are unknown to the pass, which declines
