@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
-from torch._inductor.fx_passes import joint_graph
+from torch._inductor.fx_passes import joint_graph, post_grad
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from dsv4_compile import fp4
@@ -145,6 +145,32 @@ class BmmToMmOnCpu:
     def _same_device(self, a: torch.Tensor, b: torch.Tensor, device: str = "cuda") -> bool:
         self.rewrites += statically_known_true(a.shape[0] == 1) and statically_known_true(b.shape[0] == 1)
         return a.device.type == b.device.type
+
+
+class OnlineSoftmaxOnCpu:
+    """inductor's post-grad pattern that turns a softmax's amax / sub / exp / sum into
+    prepare_softmax_online, which torch applies on CUDA and XPU only (`prepare_softmax_extra_check`),
+    made to apply to CPU tensors too by swapping that check in the pattern's registered closure,
+    except for softmaxes written in the files of `keep_files` (C++ code generation has no online-softmax
+    reduction, so a softmax no dsv4 pass rewrites must stay as it is on CPU); `rewrites` counts the
+    softmaxes it turned."""
+
+    def __init__(self, monkeypatch, keep_files: tuple[str, ...] = ()) -> None:
+        self.rewrites = 0
+        self.keep_files = keep_files
+        post_grad.lazy_init()
+        cells = [cell for entries in post_grad.pass_patterns[1].patterns.values() for entry in entries
+                 for cell in entry.extra_check.__closure__ or ()
+                 if cell.cell_contents is post_grad.prepare_softmax_extra_check]
+        assert len(cells) == 1, "torch registers the online-softmax pattern differently"
+        monkeypatch.setattr(cells[0], "cell_contents", self._accept)
+
+    def _accept(self, match) -> bool:
+        written_in = match.kwargs["x"].meta.get("stack_trace") or ""
+        if any(f"{name}\"" in written_in for name in self.keep_files):
+            return False
+        self.rewrites += 1
+        return torch._inductor.config.online_softmax
 
 
 class TargetsBefore(CustomGraphPass):
