@@ -554,19 +554,26 @@ def test_mma_path_scale_limit(code, finite):
         assert not got.isfinite().all()
 
 
-_MMA_CROSS_COMPILE = """
-import sys, dataclasses, torch, triton.language as tl
+def _planned_launches_script(kernels: tuple[str, ...], body: str) -> str:
+    """A script for run_compiled_script: the FP4 MoE's `kernels` record their launches in `launches`
+    instead of running (the launches only, planned on CPU: the grouping kernels, Triton with no driver
+    here, give int32 tables), then `body` runs."""
+    return f"""
+import dataclasses, re, sys, torch, triton.language as tl
 sys.path[:0] = ["bench"]
-from bench_sparse_mla import cross_compile, launch_recorder
+from bench_sparse_mla import compiled_stats, cross_compile, launch_recorder
 from dsv4_compile.fp4_tiles import tile_fp4
 from dsv4_compile.kernels import fp4_moe as moe
 print("module", moe.__file__)
 launches = []
-for name in ("_gate_up_mma_kernel", "_down_mma_kernel"):
+for name in {kernels!r}:
     setattr(moe, name, launch_recorder(getattr(moe, name), launches))
-# the launches only, planned on CPU: the grouping kernels (Triton, no driver here) give int32 tables
 moe.expert_blocks = lambda ids, experts, block_m, ready=None: tuple(torch.zeros(n, dtype=torch.int32)
                                                                     for n in (12, 4, 4, 4))
+""" + body
+
+
+_MMA_CROSS_COMPILE = _planned_launches_script(("_gate_up_mma_kernel", "_down_mma_kernel"), """
 for fmt in ("mxfp4", "nvfp4"):
     group = moe.GROUP[fmt]
     w13 = torch.zeros(2, 256, 64, dtype=torch.uint8)
@@ -591,7 +598,7 @@ for fmt in ("mxfp4", "nvfp4"):
                 maxnreg = ptx.split(".maxnreg", 1)[1].split()[0] if ".maxnreg" in ptx else "none"
                 print(fmt, asm, tiled, launch.kernel.fn.__name__, cap, compiled.metadata.shared,
                       ptx.count("ld.global.nc.b32"), maxnreg)
-"""
+""")
 
 
 def test_mma_defaults_cross_compile_for_sm90_and_sm120():
@@ -618,17 +625,7 @@ def test_mma_defaults_cross_compile_for_sm90_and_sm120():
         assert maxnreg == want_caps[kernel], (fmt, asm, kernel, cap, maxnreg)
 
 
-_DOT64_CROSS_COMPILE = """
-import sys, torch, triton.language as tl
-sys.path[:0] = ["bench"]
-from bench_sparse_mla import compiled_stats, launch_recorder
-from dsv4_compile.kernels import fp4_moe as moe
-print("module", moe.__file__)
-launches = []
-for name in ("_gate_up_kernel", "_down_kernel"):
-    setattr(moe, name, launch_recorder(getattr(moe, name), launches))
-moe.expert_blocks = lambda ids, experts, block_m, ready=None: tuple(torch.zeros(n, dtype=torch.int32)
-                                                                    for n in (12, 4, 4, 4))
+_DOT64_CROSS_COMPILE = _planned_launches_script(("_gate_up_kernel", "_down_kernel"), """
 hidden, inter = 4096, 2048  # V4-Flash's expert sizes, two experts
 for fmt in ("mxfp4", "nvfp4"):
     group, dtype = moe.GROUP[fmt], torch.uint8 if fmt == "mxfp4" else torch.float8_e4m3fn
@@ -649,7 +646,7 @@ for fmt in ("mxfp4", "nvfp4"):
             stats = compiled_stats(launch, cap)
             print(fmt, cap, dot_scaled, launch.kernel.fn.__name__, config.block_k, stats["spill_stores"],
                   stats["shared"])
-"""
+""")
 
 
 def test_dot64_configs_do_not_spill():
@@ -670,17 +667,7 @@ def test_dot64_configs_do_not_spill():
         assert int(shared) <= 101_376
 
 
-_DOT_SCALED_PTX = """
-import re, sys, torch, triton.language as tl
-sys.path[:0] = ["bench"]
-from bench_sparse_mla import cross_compile, launch_recorder
-from dsv4_compile.kernels import fp4_moe as moe
-print("module", moe.__file__)
-launches = []
-moe._gate_up_kernel = launch_recorder(moe._gate_up_kernel, launches)
-moe._down_kernel = launch_recorder(moe._down_kernel, launches)
-moe.expert_blocks = lambda ids, experts, block_m, ready=None: tuple(torch.zeros(n, dtype=torch.int32)
-                                                                    for n in (12, 4, 4, 4))
+_DOT_SCALED_PTX = _planned_launches_script(("_gate_up_kernel", "_down_kernel"), """
 w13, w2 = torch.zeros(2, 256, 128, dtype=torch.uint8), torch.zeros(2, 256, 64, dtype=torch.uint8)
 s13, s2 = torch.zeros(2, 256, 8, dtype=torch.uint8), torch.zeros(2, 256, 4, dtype=torch.uint8)
 moe.fp4_moe_pairs_triton(torch.zeros(2, 256, dtype=torch.bfloat16), torch.zeros(2, 6, dtype=torch.int32),
@@ -692,7 +679,7 @@ for launch in launches:
         ptx = cross_compile(launch, cap).asm["ptx"]
         kinds = sorted(set(re.findall(r"(?:mma\\.sync\\.aligned|tcgen05\\.mma)[\\w.:]*", ptx)))
         print(launch.kernel.fn.__name__, cap, ",".join(kinds))
-"""
+""")
 
 
 def test_tl_dot_scaled_compiles_to_bf16_mmas():

@@ -261,15 +261,17 @@ def test_no_query_tokens_gives_an_empty_answer():
     assert mod.indexer_topk_reference(*args).shape == (2, 0, 8)
 
 
-_FP8_SCORING_CROSS_COMPILE = """
+_FP8_SCORING_LAUNCHES = """
 import sys, torch, triton.language as tl
 sys.path[:0] = ["bench"]
-from bench_sparse_mla import cross_compile, launch_recorder
+from bench_sparse_mla import compiled_stats, cross_compile, launch_recorder
 from dsv4_compile.kernels import indexer_topk as mod
 print("module", mod.__file__)
 launches = []
 mod._score_pages_kernel = launch_recorder(mod._score_pages_kernel, launches)
 mod._dot_dtype = lambda q, k_cache: (tl.float8e4nv, None)  # fp8 q and keys, as on a GPU
+"""
+_FP8_SCORING_CROSS_COMPILE = _FP8_SCORING_LAUNCHES + """
 for dim in (16, 32, 128):
     launches.clear()
     q = torch.zeros(1, 1, 4, dim).to(torch.float8_e4m3fn)
@@ -293,15 +295,7 @@ def test_fp8_scoring_compiles_for_small_head_dims():
     assert rows == [[str(d), str(c), str(max(d, 32))] for d in (16, 32, 128) for c in (90, 120)]
 
 
-_FP8_SCORING_REGISTERS = """
-import sys, torch, triton.language as tl
-sys.path[:0] = ["bench"]
-from bench_sparse_mla import compiled_stats, launch_recorder
-from dsv4_compile.kernels import indexer_topk as mod
-print("module", mod.__file__)
-launches = []
-mod._score_pages_kernel = launch_recorder(mod._score_pages_kernel, launches)
-mod._dot_dtype = lambda q, k_cache: (tl.float8e4nv, None)  # fp8 q and keys, as on a GPU
+_FP8_SCORING_REGISTERS = _FP8_SCORING_LAUNCHES + """
 fp8 = torch.float8_e4m3fn
 for cap in (90, 120):
     mod._capability = lambda q: (cap // 10, cap % 10)  # the launcher's plan on that GPU
