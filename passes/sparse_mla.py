@@ -101,6 +101,16 @@ def _layout_source_of_shape(node, shape: tuple):
     return node
 
 
+def _same_shape_source(node):
+    """Follows layout-only ops back from `node` while their input has node's shape: V under its zero
+    fill, which may be a reshape of lower-rank rows (SGLang's single-pool gather is [N, D] rows)."""
+    shape = _shape(node)
+    while isinstance(node, Node) and (node.target in _LAYOUT or _is_full_slice(node)) and \
+            _shape(node.args[0]) == shape:
+        node = node.args[0]
+    return node
+
+
 def _unpadded(node):
     """x of constant_pad_nd(x, pad, 0) that appends zeros at the end of dims (inductor's pad_mm
     of a bmm operand); else node itself."""
@@ -532,7 +542,7 @@ def _match(pv: Node) -> _Match:
     if isinstance(v_side, Node) and v_side.target == aten.index_put.default and _is_full_of(v_side.args[2], 0.0):
         zeroed_values = v_side
         zeroed_by = _strip(v_side.args[1][0]) if len(v_side.args[1]) == 1 else None
-        v_side = _strip(v_side.args[0])
+        v_side = _same_shape_source(v_side.args[0])
     if len(_shape(v_side)) != 4:
         raise _Decline(f"values of rank {len(_shape(v_side))}, not [B, T, K, D]")
     lse_l = None
@@ -581,7 +591,7 @@ def _match(pv: Node) -> _Match:
     if isinstance(k_side, Node) and k_side.target == aten.index_put.default:
         if k_side is not zeroed_values:
             raise _Decline("the keys are written (index_put) apart from the values' zero fill")
-        k_side = _strip(k_side.args[0])
+        k_side = _same_shape_source(k_side.args[0])
     if k_side is not v_side:
         raise _Decline("keys and values are different tensors (the op needs K == V)")
     if _shape(q) != (batch, tokens, heads, dim):

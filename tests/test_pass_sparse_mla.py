@@ -270,9 +270,11 @@ def sglang_decode(module, q, k_cache, idx, sink, extra_k_cache, extra_idx, extra
 
 
 @pytest.mark.sglang
+@pytest.mark.parametrize("pools", [2, 1], ids=["two-pools", "window-only"])
 @pytest.mark.parametrize("tokens", [1, 2])
-def test_sglang_fallback_is_rewritten(sglang_sm120, monkeypatch, tokens):
-    """SGLang's attention math over bf16 rows: its page-layout reader is swapped for a plain row gather."""
+def test_sglang_fallback_is_rewritten(sglang_sm120, monkeypatch, tokens, pools):
+    """SGLang's attention math over bf16 rows: its page-layout reader is swapped for a plain row gather.
+    Window-only layers (compress ratio 0) pass extra_k_cache=None."""
     monkeypatch.setattr(sglang_sm120, "_gather_and_dequant",
                         lambda cache, safe_idx, page_size: cache.reshape(-1, cache.shape[-1])[safe_idx.long()])
     gen = torch.Generator().manual_seed(1)
@@ -285,6 +287,8 @@ def test_sglang_fallback_is_rewritten(sglang_sm120, monkeypatch, tokens):
     idx[0, 0] = -1  # token 0 has nothing valid: SGLang's "lonely" rows give 0, so does the op
     extra_len = torch.tensor([11], dtype=torch.int32)  # SGLang's top-k length: a mask beyond idx < 0
     args = (q, cache, idx, torch.randn(2, generator=gen), extra, extra_idx, extra_len)
+    if pools == 1:
+        args = args[:4] + (None, None, None)
     fn = lambda *a: sglang_decode(sglang_sm120, *a)  # noqa: E731
     out, code, report = compile_with_pass(fn, *args)
     assert report.count("sparse_mla") == 1
@@ -298,15 +302,19 @@ class _RunPassAndKeepGraph(CustomGraphPass):
 
     def __call__(self, graph):
         sparse_mla_pass.apply(graph, self.report)
-        self.graph = torch.fx.GraphModule(torch.nn.Module(), graph)
+        self.graph = torch.fx.GraphModule(graph.owning_module, graph)  # its constants included
 
     def uuid(self):
         return b"test_pass_sparse_mla"
 
 
 @pytest.mark.sglang
-def test_sglang_fallback_with_its_fp8_page_layout(sglang_sm120):
+@pytest.mark.parametrize("pools", [2, 1], ids=["two-pools", "window-only"])
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_sglang_fallback_with_its_fp8_page_layout(sglang_sm120, tokens, pools):
     """The real FP8 page-layout gather + dequantisation stays; the attention over it becomes the op.
+    Window-only layers (compress ratio 0) pass extra_k_cache=None: V is then the gather's [N, 512]
+    rows reshaped to [B, T, K, 512].
 
     Inductor's CPU C++ codegen has no float8_e8m0fnu (SGLang views the scale bytes as it), so on
     CPU compilation stops after the post-grad passes; the rewritten post-grad graph is run instead.
@@ -321,10 +329,12 @@ def test_sglang_fallback_with_its_fp8_page_layout(sglang_sm120):
         data[:, 448:] = torch.randn(page, 64, generator=gen).to(torch.bfloat16).view(torch.uint8)
         pages[p, page * 576: page * 584] = torch.randint(124, 130, (page * 8,), generator=gen, dtype=torch.uint8)
     cache = pages.as_strided((3, page, 1, 576), (page_bytes, 576, 576, 1)).view(torch.float8_e4m3fn)
-    q = torch.randn(1, 2, 2, 512, generator=gen).to(torch.bfloat16)
-    idx = torch.randint(-1, 3 * page, (1, 2, 8), generator=gen, dtype=torch.int32)
-    extra_idx = torch.randint(-1, 3 * page, (1, 2, 16), generator=gen, dtype=torch.int32)
+    q = torch.randn(1, tokens, 2, 512, generator=gen).to(torch.bfloat16)
+    idx = torch.randint(-1, 3 * page, (1, tokens, 8), generator=gen, dtype=torch.int32)
+    extra_idx = torch.randint(-1, 3 * page, (1, tokens, 16), generator=gen, dtype=torch.int32)
     args = (q, cache, idx, torch.randn(2, generator=gen), cache, extra_idx)
+    if pools == 1:
+        args = args[:4] + (None, None)
     fn = lambda *a: sglang_decode(sglang_sm120, *a)  # noqa: E731
     report = PassReport()
     keeper = _RunPassAndKeepGraph(report)
@@ -337,7 +347,7 @@ def test_sglang_fallback_with_its_fp8_page_layout(sglang_sm120):
     assert any(n.target == torch.ops.dsv4.sparse_mla.default for n in keeper.graph.graph.nodes)
     assert not any(n.target == torch.ops.aten.bmm.default for n in keeper.graph.graph.nodes)
     # dynamo dedups the repeated cache and orders inputs itself: map them back by shape and dtype
-    inputs = {(tuple(a.shape), a.dtype): a for a in args}
+    inputs = {(tuple(a.shape), a.dtype): a for a in args if a is not None}
     graph_args = [inputs[(tuple(n.meta["val"].shape), n.meta["val"].dtype)]
                   for n in keeper.graph.graph.nodes if n.op == "placeholder"]
     (got,) = keeper.graph(*graph_args)
