@@ -162,7 +162,7 @@ def _check_dequant(out: Node, region: set[Node], fmt: str, packed: Node, scale: 
     want = want.flatten(0, probe_ids.ndim - 1)
     try:
         got = _run_block(out, region, stored, ids, probe_ids)
-    except (_NoProbe, RuntimeError, IndexError) as why:
+    except _NoProbe as why:
         raise _Decline(f"the weight path cannot be run on probe values ({why})") from None
     tolerance = 1e-5 if got.dtype == torch.float32 else 1e-2  # bf16 / f16 weights: their rounding
     if got.shape != want.shape or not torch.allclose(got.float(), want, rtol=tolerance, atol=0.0):
@@ -200,7 +200,9 @@ def _probe_experts(fmt: str, packed: Node, scale: Node, glob: Node | None, ids: 
 
 
 def _run_block(out: Node, region: set[Node], stored: dict, ids: Node, probe_ids: torch.Tensor) -> torch.Tensor:
-    """`out` computed by the region's nodes from the probe experts gathered by `probe_ids`."""
+    """`out` computed by the region's nodes from the probe experts gathered by `probe_ids`, on the
+    probe's device: a node's device kwarg (arange, iota) is the graph's device, not the probe's."""
+    device = probe_ids.device
     env = {}
     for node in [n for n in out.graph.nodes if n in region and n not in stored]:
         if node.op == "get_attr":  # a constant of the decode (the e2m1 table)
@@ -212,6 +214,8 @@ def _run_block(out: Node, region: set[Node], stored: dict, ids: Node, probe_ids:
             raise _Decline("the weight path reads tensors other than the gathered codes, scales and globals")
         else:
             args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: env[a])
+            if "device" in kwargs:
+                kwargs = {**kwargs, "device": device}
             target, args = _block_args(node, args)
             env[node] = target(*args, **kwargs)
         _check_block(node, env[node])
@@ -220,9 +224,14 @@ def _run_block(out: Node, region: set[Node], stored: dict, ids: Node, probe_ids:
 
 def _block_args(node: Node, args: tuple):
     """(target, args) computing the leading block of `node`'s value from leading blocks of its
-    inputs: reshape and expand sizes cut to the block; a slice, select, unbind or cat that would
-    read a cut dim past its block raises _NoProbe."""
+    inputs: reshape and expand sizes cut to the block; a slice, select, unbind, cat or index that
+    would read a cut dim past its block, or operands whose blocks no longer broadcast where the
+    whole ones do, raise _NoProbe."""
     target, x = node.target, args[0]
+    if target == aten.index.Tensor:  # the indices broadcast together, not with the indexed tensor
+        _check_broadcast(node, node.args[1], args[1])
+    else:
+        _check_broadcast(node, node.args, args)
     if target in (aten.reshape.default, aten.view.default, aten._unsafe_view.default):
         return aten.reshape.default, (x, _block_reshape(_val(node.args[0]).shape, x.shape, _val(node).shape))
     if target == aten.expand.default:
@@ -241,7 +250,32 @@ def _block_args(node: Node, args: tuple):
         dim = args[1] if len(args) > 1 else 0
         if any(p.shape[dim] != _val(n).shape[dim] for p, n in zip(x, node.args[0])):
             raise _NoProbe(f"{node.name} concatenates along a cut dim")
+    if target == aten.index.Tensor:
+        full = _val(node.args[0]).shape
+        if any(i is not None and x.shape[d] != full[d] for d, i in enumerate(args[1])):
+            raise _NoProbe(f"{node.name} indexes a cut dim")
     return target, args
+
+
+def _check_broadcast(node: Node, operands, blocks) -> None:
+    """Raises _NoProbe if the tensors among `operands` (args of `node`) broadcast together but
+    their `blocks` do not (a cut dim against a whole one)."""
+    full, cut = [], []
+    for a, b in zip(operands, blocks):
+        for n, v in zip(a, b) if isinstance(a, (list, tuple)) else [(a, b)]:
+            if isinstance(v, torch.Tensor) and isinstance(_val(n), torch.Tensor):
+                full.append(_val(n).shape)
+                cut.append(v.shape)
+    if len(cut) < 2:
+        return
+    try:
+        torch.broadcast_shapes(*full)
+    except RuntimeError:
+        return  # operands that do not broadcast together (cat's)
+    try:
+        torch.broadcast_shapes(*cut)
+    except RuntimeError:
+        raise _NoProbe(f"{node.name} combines a cut dim with a whole one") from None
 
 
 def _block_reshape(full_in, block_in, full_out) -> list[int]:

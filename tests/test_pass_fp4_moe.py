@@ -1,5 +1,7 @@
 """passes/fp4_moe.py: the plain-torch FP4 MoE becomes dsv4::fp4_moe in decode and verify graphs,
 computes the same result, and variants that are not that math stay as they are."""
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -296,3 +298,47 @@ def test_other_dequantisation_declined(name):
     assert hook.rewrites == 0
     assert any(not r.matched and reason in r.reason for r in report.records), report.records
     torch.testing.assert_close(got, variant(*args), rtol=1e-4, atol=1e-4)
+
+
+def _column_scales(packed, scale, glob, dtype):
+    """MXFP4 with each column's block scale looked up by an arange (column >> 5)."""
+    values = fp4.decode_e2m1(fp4.unpack_e2m1(packed))
+    block = torch.arange(values.shape[-1], device=packed.device) >> 5
+    return (values * fp4.ue8m0_to_float(scale)[..., block]).to(dtype)
+
+
+def _on_another_device(graph, report):
+    """fp4_pass.apply on `graph` with its device kwargs moved to the meta device, as a GPU graph's
+    arange / iota carry a device other than the CPU probe's."""
+    for node in graph.nodes:
+        if "device" in node.kwargs:
+            node.kwargs = {**node.kwargs, "device": torch.device("meta")}
+    return fp4_pass.apply(graph, report)
+
+
+def test_device_kwargs_run_on_the_probe_device():
+    """A weight path whose arange carries another device than the probe's is probed and rewritten
+    (its nodes are gone with the rewrite, so the compiled graph runs on CPU)."""
+    variant = _variant(gate_up_weights=_column_scales)
+    ids, weights = routing(3, seed=4)
+    args = (torch.randn(3, HIDDEN), ids, weights, *experts("mxfp4"), 5.0)
+    torch._dynamo.reset()
+    on_meta = types.SimpleNamespace(apply=_on_another_device, __name__="fp4_moe_on_meta")
+    compiled, report, hook = compile_with_probe(variant, on_meta)
+    got = compiled(*args)
+    assert hook.rewrites == 1 and report.count(fp4_pass.PASS_NAME) == 1, report.records
+    torch.testing.assert_close(got, variant(*args), rtol=1e-4, atol=1e-4)
+
+
+def test_errors_inside_the_probe_propagate(monkeypatch):
+    """An error of the probe's own (a bug in the pass) is raised, not recorded as a decline."""
+    def broken(node, value):
+        raise RuntimeError("a bug in the probe")
+    monkeypatch.setattr(fp4_pass, "_check_block", broken)
+    ids, weights = routing(3, seed=4)
+    args = (torch.randn(3, HIDDEN), ids, weights, *experts("mxfp4"), 5.0)
+    compiled, hook, report = compile_with_pass(_variant())
+    with pytest.raises(Exception, match="a bug in the probe"):
+        compiled(*args)
+    assert not report.records
+
