@@ -500,6 +500,33 @@ def _mask(cond: Node, minus_inf_when_true: bool, shape: tuple) -> tuple[Node, bo
     return node, valid
 
 
+def _negations_to(node, source: Node) -> int | None:
+    """How many bitwise_nots lie between `node` and `source` when node is source through layout-only
+    ops and bitwise_not; None when it is not."""
+    flips = 0
+    while node is not source:
+        if not (isinstance(node, Node) and (node.target in _LAYOUT or node.target == aten.bitwise_not.default
+                                            or _is_full_slice(node))):
+            return None
+        flips += node.target == aten.bitwise_not.default
+        node = node.args[0]
+    return flips
+
+
+def _require_zeroes_skipped_rows(fill: Node, mask: Node, mask_is_valid: bool) -> None:
+    """Decline unless the zero fill of the gathered rows writes exactly the rows the attention skips
+    (the op never reads those; zeroing any other row changes the result)."""
+    flips = _negations_to(fill.args[1][0], mask) if len(fill.args[1]) == 1 else None
+    if flips is None:
+        raise _Decline("rows are zeroed by a mask other than the attention mask")
+    if (flips % 2 == 0) == mask_is_valid:  # the fill's index is true on the rows it zeroes
+        raise _Decline("the zero fill writes the rows the attention reads")
+    labels, sizes = _letters(mask)
+    if _dims_after(fill.args[1][0], mask, labels, sizes, through={aten.bitwise_not.default}) != [
+            c if sizes[c] != 1 else "" for c in labels]:
+        raise _Decline("the rows' zero fill reads the attention mask in another layout")
+
+
 def _gathers(v: Node):
     """[(rows, idx)] when V is rows[idx.clamp(min=0)] or a cat of two along K (each as it is), else None."""
     parts = v.args[0] if v.target == aten.cat.default and v.args[1] in (2, -2) else [v]
@@ -537,11 +564,9 @@ def _match(pv: Node) -> _Match:
     p_side, pv_rows = _bmm_operands(pv)
     p = _strip(p_side)
     v_side = _strip(pv_rows)
-    zeroed_by = None
     zeroed_values = None  # V's own zero fill, which K may share (then it is the same node)
     if isinstance(v_side, Node) and v_side.target == aten.index_put.default and _is_full_of(v_side.args[2], 0.0):
         zeroed_values = v_side
-        zeroed_by = _strip(v_side.args[1][0]) if len(v_side.args[1]) == 1 else None
         v_side = _same_shape_source(v_side.args[0])
     if len(_shape(v_side)) != 4:
         raise _Decline(f"values of rank {len(_shape(v_side))}, not [B, T, K, D]")
@@ -596,10 +621,8 @@ def _match(pv: Node) -> _Match:
         raise _Decline("keys and values are different tensors (the op needs K == V)")
     if _shape(q) != (batch, tokens, heads, dim):
         raise _Decline(f"q of shape {_shape(q)} does not match [B, T, H, D] = {(batch, tokens, heads, dim)}")
-    if zeroed_by is not None and zeroed_by is not mask:
-        raise _Decline("rows are zeroed by a mask other than the attention mask")
-    if zeroed_by is not None and not _is_same_layout(zeroed_values.args[1][0], mask):
-        raise _Decline("the rows' zero fill reads the attention mask in another layout")
+    if zeroed_values is not None:
+        _require_zeroes_skipped_rows(zeroed_values, mask, mask_is_valid)
     sizes = dict(b=batch, t=tokens, h=heads, k=keys, d=dim)
     _require_dims(q_side, q, list("bthd"), ["bt", "h", "d"], sizes, "q in the q.k product")
     _require_rows_layout(qk_rows, v_side, zeroed_values, ["bt", "d", "k"], sizes,
