@@ -531,3 +531,22 @@ def test_indices_read_in_another_layout_are_not_passed_as_they_are(fn):
     # The rows (or the mask) read idx transposed: the op runs over the materialised rows (or with the
     # mask folded into the indices) instead of reading the pool through idx as it is.
     assert_rewritten(fn, coinciding_inputs(**EQUAL))
+
+
+def zero_filled_window_attention(q, kv, idx, sink, zeroed="skipped"):
+    """The model's form over rows zero-filled where the mask (written as the valid rows) skips them,
+    or, wrongly, where it reads them (`zeroed="valid"`: then every logit is 0 and every value 0)."""
+    valid = idx >= 0
+    rows = gather_rows(kv, idx).clone()
+    rows[~valid if zeroed == "skipped" else valid] = 0.0
+    return sparse_attention_with_sink(q, rows, valid, sink, 0.125)
+
+
+def test_rows_zeroed_where_the_mask_skips_them_are_rewritten():
+    assert_rewritten(zero_filled_window_attention, coinciding_inputs(**ONE_BATCH))
+
+
+def test_rows_zeroed_where_the_mask_reads_them_are_declined():
+    fn = lambda *a: zero_filled_window_attention(*a, zeroed="valid")  # noqa: E731
+    assert_declined(fn, coinciding_inputs(**ONE_BATCH), "the zero fill writes the rows the attention reads")
+
