@@ -35,6 +35,9 @@ prims = torch.ops.prims
 _VIEWS = {aten.reshape.default, aten.view.default, aten._unsafe_view.default, aten.squeeze.dim, aten.squeeze.default,
           aten.unsqueeze.default, aten.expand.default, aten.clone.default, prims.convert_element_type.default,
           aten.permute.default, aten.transpose.int}
+# Views and dtype conversions that keep a tensor's row-major order (the top-k ids' (m, j) pairs).
+_ORDER_KEEPING = {aten.reshape.default, aten.view.default, aten._unsafe_view.default, aten.squeeze.dim,
+                  aten.squeeze.default, aten.unsqueeze.default, aten.clone.default, prims.convert_element_type.default}
 # Ops allowed between the packed gathers and the dequantised weights.
 _DEQUANT_OPS = _VIEWS | {
     aten.index.Tensor, aten.bitwise_and.Scalar, aten.__rshift__.Scalar, aten.bitwise_right_shift.Tensor_Scalar,
@@ -56,6 +59,16 @@ def _val(node) -> torch.Tensor | None:
 
 def _strip(node: Node) -> Node:
     while isinstance(node, Node) and node.target in _VIEWS:
+        node = node.args[0]
+    return node
+
+
+def _in_row_order(node: Node, what: str) -> Node:
+    """The [M, k] tensor (top-k ids or weights) that `node` reads through views and dtype conversions
+    that keep its row-major order, the order of the op's (m, j) pairs; declines otherwise."""
+    while isinstance(node, Node) and node.target in _VIEWS:
+        if node.target not in _ORDER_KEEPING:
+            raise _Decline(f"the {what} are read through {node.target} (not in their [M, k] order)")
         node = node.args[0]
     return node
 
@@ -332,8 +345,11 @@ def _match(anchor: Node) -> dict:
         raise _Decline("sum input is not a routing-weight product")
     sides = [_strip(a) for a in weighted.args]
     bmm2 = next((s for s in sides if is_bmm(s)), None)
-    routing = next((s for s in sides if s is not bmm2), None)
-    if bmm2 is None or routing is None or _val(routing) is None or not _val(routing).is_floating_point():
+    others = [a for a, s in zip(weighted.args, sides) if s is not bmm2]
+    if bmm2 is None or len(others) != 1:
+        raise _Decline("no bmm times routing weights under the sum")
+    routing = _in_row_order(others[0], "routing weights")
+    if _val(routing) is None or not _val(routing).is_floating_point():
         raise _Decline("no bmm times routing weights under the sum")
     bmm2 = match_bmm(bmm2, "the down projection")
     w2_side, h_side = bmm2.mat1, bmm2.mat2
@@ -373,12 +389,12 @@ def _match(anchor: Node) -> dict:
     w13_region, w2_region = _weight_region(w13_side, {x}), _weight_region(w2_side, {act})
     fmt, w13, s13, g13, ids = _expert_weights(w13_region, hidden, first=True)
     fmt2, w2, s2, g2, ids2 = _expert_weights(w2_region, hidden, first=False)
-    if fmt2 != fmt or _strip(ids2) is not _strip(ids):
+    topk_ids = _in_row_order(ids, "expert ids")
+    if fmt2 != fmt or _in_row_order(ids2, "expert ids") is not topk_ids:
         raise _Decline("gate/up and down experts differ in format or ids")
     with torch.no_grad():
         _check_dequant(w13_side, w13_region, fmt, w13, s13, g13, ids)
         _check_dequant(w2_side, w2_region, fmt, w2, s2, g2, ids2)
-    topk_ids = _strip(ids)
     if _val(topk_ids).ndim != 2 or _val(topk_ids).shape[0] != tokens or _val(routing).shape != _val(topk_ids).shape:
         raise _Decline("ids/routing weights are not [M, k]")
     if x.meta["val"].dtype != out_val.dtype:

@@ -186,18 +186,20 @@ def _swiglu(gate, up, limit):
     return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
 
 
-def _variant(activation=_swiglu, gate_up_weights=_dequantize, down_weights=_dequantize):
-    """The MoE form with `activation(gate, up, limit)` in place of the clamped SwiGLU and
-    `*_weights(packed, scale, glob, dtype)` dequantising the gathered experts."""
+def _variant(activation=_swiglu, gate_up_weights=_dequantize, down_weights=_dequantize,
+             gather_index=torch.Tensor.long, routing_weights=lambda weights: weights):
+    """The MoE form with `activation(gate, up, limit)` in place of the clamped SwiGLU,
+    `*_weights(packed, scale, glob, dtype)` dequantising the gathered experts, `gather_index(ids)`
+    the index of the gathers and `routing_weights(weights)` the weights of the sum."""
     def variant(x, ids, weights, w13, s13, w2, s2, fmt, g13, g2, limit):
-        idx = ids.long()
+        idx = gather_index(ids)
         g13, g2 = (None, None) if g13 is None else (g13[idx], g2[idx])
         gate_up_w = gate_up_weights(w13[idx], s13[idx], g13, x.dtype)
         gate_up = torch.matmul(gate_up_w, x[:, None, :, None]).squeeze(-1)
         gate, up = gate_up.chunk(2, dim=-1)
         hidden = activation(gate, up, limit)
         out = torch.matmul(down_weights(w2[idx], s2[idx], g2, x.dtype), hidden.unsqueeze(-1))
-        return (out.squeeze(-1) * weights.unsqueeze(-1)).sum(dim=1)
+        return (out.squeeze(-1) * routing_weights(weights).unsqueeze(-1)).sum(dim=1)
     return variant
 
 
@@ -342,3 +344,19 @@ def test_errors_inside_the_probe_propagate(monkeypatch):
         compiled(*args)
     assert not report.records
 
+
+@pytest.mark.parametrize("variant, reason", [
+    (_variant(gather_index=lambda ids: ids.long().t()), "expert ids are read through"),
+    (_variant(routing_weights=torch.Tensor.t), "routing weights are read through"),
+], ids=["ids", "routing weights"])
+def test_transposed_topk_declined(variant, reason):
+    """Gathers by ids.t() pair token m with the experts of ids[:, m], and weights.t() weigh its
+    choice j by weights[j, m]; with M == k the shapes are those of the op's [M, k], and only the
+    layout tells."""
+    ids, weights = routing(TOP_K, seed=5)
+    args = (torch.randn(TOP_K, HIDDEN), ids, weights, *experts("mxfp4"), 5.0)
+    compiled, hook, report = compile_with_pass(variant)
+    got = compiled(*args)
+    assert hook.rewrites == 0
+    assert any(not r.matched and reason in r.reason for r in report.records), report.records
+    torch.testing.assert_close(got, variant(*args), rtol=1e-4, atol=1e-4)
