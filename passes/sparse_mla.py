@@ -47,7 +47,8 @@ from torch._inductor import inductor_prims
 from torch.fx import Graph, Node
 
 import dsv4_compile.kernels.sparse_mla  # noqa: F401  (registers torch.ops.dsv4.sparse_mla)
-from dsv4_compile.passes.fx_match import Decline, is_bmm, match_bmm
+from dsv4_compile.passes import dim_labels
+from dsv4_compile.passes.fx_match import Decline, equal, is_bmm, match_bmm
 
 logger = logging.getLogger("dsv4_compile")
 
@@ -56,11 +57,8 @@ PASS_NAME = "sparse_mla"
 aten = torch.ops.aten
 prims = torch.ops.prims
 
-_LAYOUT = {aten.reshape.default, aten.view.default, aten._unsafe_view.default, aten.expand.default,
-           aten.permute.default, aten.transpose.int, aten.unsqueeze.default, aten.squeeze.dim,
-           aten.squeeze.dims, aten.squeeze.default, aten.clone.default, prims.convert_element_type.default,
-           aten.alias.default}
-_RESHAPES = {aten.reshape.default, aten.view.default, aten._unsafe_view.default}
+_LAYOUT = dim_labels.LAYOUT_OPS
+_LETTERS = "abcdefgh"
 _PREPARE_SOFTMAX_ONLINE = inductor_prims.prepare_softmax_online
 
 
@@ -77,17 +75,9 @@ def _shape(node) -> tuple:
     return tuple(val.shape) if isinstance(val, torch.Tensor) else ()
 
 
-def _is_full_slice(node: Node) -> bool:
-    if node.target != aten.slice.Tensor:
-        return False
-    dim, start, end = (list(node.args[1:]) + [0, None, None])[:3]
-    size = _shape(node.args[0])[dim] if _shape(node.args[0]) else None
-    return start in (0, None) and (end is None or end >= 2**62 or end == size)
-
-
 def _strip(node, extra=frozenset()):
     """Follows layout-only ops (and full slices) back to the producing node."""
-    while isinstance(node, Node) and (node.target in _LAYOUT or node.target in extra or _is_full_slice(node)):
+    while isinstance(node, Node) and (node.target in _LAYOUT or node.target in extra or dim_labels.is_full_slice(node)):
         node = node.args[0]
     return node
 
@@ -95,8 +85,8 @@ def _strip(node, extra=frozenset()):
 def _layout_source_of_shape(node, shape: tuple):
     """Walks layout-only ops back from `node` to the first tensor of `shape` (q is often a
     transposed view: [B, H, T, D] -> [B, T, H, D]); else to the producing node."""
-    while isinstance(node, Node) and _shape(node) != shape and (
-            node.target in _LAYOUT or _is_full_slice(node)):
+    while isinstance(node, Node) and not dim_labels.same_shape(_shape(node), shape) and (
+            node.target in _LAYOUT or dim_labels.is_full_slice(node)):
         node = node.args[0]
     return node
 
@@ -105,8 +95,8 @@ def _same_shape_source(node):
     """Follows layout-only ops back from `node` while their input has node's shape: V under its zero
     fill, which may be a reshape of lower-rank rows (SGLang's single-pool gather is [N, D] rows)."""
     shape = _shape(node)
-    while isinstance(node, Node) and (node.target in _LAYOUT or _is_full_slice(node)) and \
-            _shape(node.args[0]) == shape:
+    while isinstance(node, Node) and (node.target in _LAYOUT or dim_labels.is_full_slice(node)) and \
+            dim_labels.same_shape(_shape(node.args[0]), shape):
         node = node.args[0]
     return node
 
@@ -150,7 +140,7 @@ def _unpadded_bmm(node):
         return node
     mat1, mat2 = _bmm_operands(bmm)
     a, b = _shape(mat1), _shape(mat2)
-    return bmm if len(a) == len(b) == 3 and _shape(node) == (a[0], a[1], b[2]) else node
+    return bmm if len(a) == len(b) == 3 and dim_labels.same_shape(_shape(node), (a[0], a[1], b[2])) else node
 
 
 def _is_full_of(node, value: float) -> bool:
@@ -180,71 +170,27 @@ def _ancestors(node: Node, limit: int = 4000) -> set[Node]:
 
 # ----------------------------------------------------------------------------- dim labels
 
-_BROADCAST = "*"
-_LETTERS = "abcdefgh"
-
-
-def _regroup(atoms: list, shape: tuple) -> list | None:
-    """Row-major atoms regrouped into dims of `shape`; None if a dim would cut an atom apart."""
-    flat = [atom for dim in atoms for atom in dim]
-    out = []
-    for size in shape:
-        dim, n = [], 1
-        while n < size and flat:
-            dim.append(flat.pop(0))
-            n *= dim[-1][1]
-        if n != size:
-            return None
-        out.append(dim)
-    return None if flat else out
-
-
-def _relabel(node: Node, atoms: list) -> list | None:
-    """The atoms of `node`'s dims from those of its input, for one layout-only op."""
-    shape = _shape(node)
-    if node.target == aten.permute.default:
-        return [atoms[d % len(atoms)] for d in node.args[1]]
-    if node.target == aten.transpose.int:
-        atoms = list(atoms)
-        d0, d1 = (d % len(atoms) for d in node.args[1:3])
-        atoms[d0], atoms[d1] = atoms[d1], atoms[d0]
-        return atoms
-    if node.target == aten.expand.default:
-        new = len(shape) - len(atoms)
-        old = _shape(node.args[0])
-        return ([[(_BROADCAST, s)] if s != 1 else [] for s in shape[:new]]
-                + [dim if s == o else [(_BROADCAST, s)] for dim, o, s in zip(atoms, old, shape[new:])])
-    if len(shape) != len(atoms) or node.target in _RESHAPES:  # reshape, (un)squeeze: row-major order kept
-        return _regroup(atoms, shape)
-    return atoms
-
 
 def _dims_after(node, source: Node, dims: list[str], sizes: dict, through=frozenset(),
                 regroup_to: tuple | None = None) -> list[str] | None:
     """`node`'s dims as labels of `source`'s, when node is source through layout-only ops (and ops in
     `through`, elementwise), then read row-major as `regroup_to` if given: dims names source's dims
     (e.g. ["bt", "h", "d"], outer label first), sizes each label's size. Labels of size 1 are left
-    out; "*" marks a broadcast. None when node is not such a view of source, or a reshape cuts a
-    label apart, or a size is symbolic."""
-    path = []
-    while node is not source:
-        if not (isinstance(node, Node) and (node.target in _LAYOUT or node.target in through
-                                            or _is_full_slice(node))):
-            return None
-        path.append(node)
-        node = node.args[0]
-    if not all(isinstance(s, int) for n in [source, *path] for s in _shape(n)):
+    out; dim_labels.BROADCAST marks a broadcast. None when node is not such a view of source, or a
+    reshape cuts a label apart; _Decline when symbolic sizes leave that undecided."""
+    start = tuple(tuple((c, sizes[c]) for c in dim if not dim_labels.is_one(sizes[c])) for dim in dims)
+    products = [math.prod(s for _, s in dim) for dim in start]
+    if not dim_labels.same_shape(products, _shape(source)):
         return None
-    atoms = [[(c, sizes[c]) for c in dim if sizes[c] != 1] for dim in dims]
-    if [math.prod(s for _, s in dim) for dim in atoms] != list(_shape(source)):
+    try:
+        got = dim_labels.dims_through(source, start, node, through, full_slices=True)
+        if regroup_to is not None:
+            got = dim_labels.regrouped(got, regroup_to)
+    except dim_labels.Undecidable as why:
+        raise _Decline(str(why)) from None
+    except Decline:
         return None
-    for step in reversed(path):
-        atoms = _relabel(step, atoms)
-        if atoms is None:
-            return None
-    if regroup_to is not None:
-        atoms = _regroup(atoms, regroup_to)
-    return None if atoms is None else ["".join(c for c, _ in dim) for dim in atoms]
+    return ["".join(dim_labels.labels_of(dim)) for dim in got]
 
 
 def _show(dims) -> str:
@@ -257,8 +203,8 @@ def _require_dims(node, source: Node, dims: list[str], want: list[str], sizes: d
     left out); with `broadcast`, broadcasts are allowed anywhere. `trace`: _dims_after's options."""
     got = _dims_after(node, source, dims, sizes, **trace)
     if got is not None and broadcast:
-        got = [d.replace(_BROADCAST, "") for d in got]
-    want = ["".join(c for c in dim if sizes[c] != 1) for dim in want]
+        got = [d.replace(dim_labels.BROADCAST, "") for d in got]
+    want = ["".join(c for c in dim if not dim_labels.is_one(sizes[c])) for dim in want]
     if got != want:
         found = "not a layout of it" if got is None else _show(got)
         raise _Decline(f"{what} has dims {found}, not {_show(want)}")
@@ -280,7 +226,12 @@ def _require_same_layout(node, source: Node, what: str) -> None:
 def _is_same_layout(node, source: Node) -> bool:
     """Whether `node` is `source` through ops that keep every element where it is."""
     labels, sizes = _letters(source)
-    return _dims_after(node, source, labels, sizes) == [c if sizes[c] != 1 else "" for c in labels]
+    return _dims_after(node, source, labels, sizes) == _kept(labels, sizes)
+
+
+def _kept(labels: list[str], sizes: dict) -> list[str]:
+    """The labels with those of size 1 left out (as _dims_after gives them)."""
+    return [c if not dim_labels.is_one(sizes[c]) else "" for c in labels]
 
 
 def _require_row_broadcast(node, red: Node, x: Node, dims: list[int], keepdim_at_use: bool, what: str) -> None:
@@ -426,11 +377,11 @@ def _require_stack_of_two(stacked: Node, cat: Node) -> None:
     a, b = cat.args[0]
     cat_dim = cat.args[1] if len(cat.args) > 1 else 0
     rank = len(_shape(cat))
-    if cat_dim % max(rank, 1) != 0 or _shape(a) != _shape(b) or len(_shape(a)) != rank:
+    if cat_dim % max(rank, 1) != 0 or not dim_labels.same_shape(_shape(a), _shape(b)) or len(_shape(a)) != rank:
         raise _Decline("the normaliser's (lse, sink) are not stacked along a new leading dim")
     labels, sizes = _letters(a)
     sizes["s"] = 2
-    part = "".join(c for c in labels if sizes[c] != 1)
+    part = "".join(_kept(labels, sizes))
     got = _dims_after(stacked, cat, ["s" + labels[0], *labels[1:]], sizes)
     if got is None or got[0] != "s" or "".join(got[1:]) != part:
         raise _Decline("the normaliser's (lse, sink) are not stacked along a new leading dim")
@@ -506,7 +457,7 @@ def _negations_to(node, source: Node) -> int | None:
     flips = 0
     while node is not source:
         if not (isinstance(node, Node) and (node.target in _LAYOUT or node.target == aten.bitwise_not.default
-                                            or _is_full_slice(node))):
+                                            or dim_labels.is_full_slice(node))):
             return None
         flips += node.target == aten.bitwise_not.default
         node = node.args[0]
@@ -522,8 +473,7 @@ def _require_zeroes_skipped_rows(fill: Node, mask: Node, mask_is_valid: bool) ->
     if (flips % 2 == 0) == mask_is_valid:  # the fill's index is true on the rows it zeroes
         raise _Decline("the zero fill writes the rows the attention reads")
     labels, sizes = _letters(mask)
-    if _dims_after(fill.args[1][0], mask, labels, sizes, through={aten.bitwise_not.default}) != [
-            c if sizes[c] != 1 else "" for c in labels]:
+    if _dims_after(fill.args[1][0], mask, labels, sizes, through={aten.bitwise_not.default}) != _kept(labels, sizes):
         raise _Decline("the rows' zero fill reads the attention mask in another layout")
 
 
@@ -580,10 +530,11 @@ def _match(pv: Node) -> _Match:
         logits, sink, lse_l = _exp_minus_logsumexp_with_sink(p)
         form = "exp minus logsumexp with sink"
     batch, tokens, keys, dim = _shape(v_side)
-    if len(_shape(logits)) != 4 or _shape(logits)[:2] != (batch, tokens) or _shape(logits)[3] != keys:
+    if len(_shape(logits)) != 4 or not dim_labels.same_shape(_shape(logits)[:2] + _shape(logits)[3:],
+                                                             (batch, tokens, keys)):
         raise _Decline(f"logits {_shape(logits)} do not match values {_shape(v_side)}")
     heads = _shape(logits)[2]
-    if _shape(sink) != (heads,):
+    if not dim_labels.same_shape(_shape(sink), (heads,)):
         raise _Decline(f"sink of shape {_shape(sink)}, not [H={heads}]")
 
     if logits.target != aten.where.self:
@@ -598,7 +549,8 @@ def _match(pv: Node) -> _Match:
     mask, mask_is_valid = _mask(cond, minus_inf_when_true, (batch, tokens, keys))
     if _val(mask).dtype != torch.bool:
         raise _Decline(f"the mask is {_val(mask).dtype}, not bool")
-    if len(_shape(mask)) != 3 or any(m not in (1, s) for m, s in zip(_shape(mask), (batch, tokens, keys))):
+    if len(_shape(mask)) != 3 or any(not (dim_labels.is_one(m) or equal(m, s))
+                                     for m, s in zip(_shape(mask), (batch, tokens, keys))):
         raise _Decline(f"mask of shape {_shape(mask)} is not one per (b, t, k) broadcast over heads")
     if not isinstance(scaled, Node) or scaled.target != aten.mul.Tensor:
         raise _Decline("no softmax scale multiplies the logits")
@@ -619,7 +571,7 @@ def _match(pv: Node) -> _Match:
         k_side = _same_shape_source(k_side.args[0])
     if k_side is not v_side:
         raise _Decline("keys and values are different tensors (the op needs K == V)")
-    if _shape(q) != (batch, tokens, heads, dim):
+    if not dim_labels.same_shape(_shape(q), (batch, tokens, heads, dim)):
         raise _Decline(f"q of shape {_shape(q)} does not match [B, T, H, D] = {(batch, tokens, heads, dim)}")
     if zeroed_values is not None:
         _require_zeroes_skipped_rows(zeroed_values, mask, mask_is_valid)
@@ -660,7 +612,7 @@ def _output_node(pv: Node, sizes: dict, lse_l: Node | None) -> Node:
     shape = tuple(sizes[c] for c in "bthd")
     node = product = pv
     padded = pv.target == aten.bmm.default and _bmm_operands(pv) != tuple(pv.args[:2])
-    while _shape(node) != shape:
+    while not dim_labels.same_shape(_shape(node), shape):
         users = list(node.users)
         if len(users) != 1 or not (users[0].target in _LAYOUT or (padded and _is_unpad_slice(users[0]))):
             raise _Decline("the attention output is not reshaped back to [B, T, H, D]")
@@ -686,8 +638,8 @@ def _is_lonely_rows(rows_use, lse: Node) -> bool:
         return False
     labels, sizes = _letters(lonely)
     got = _dims_after(rows_use, lonely, labels, sizes)
-    want = [c if sizes[c] != 1 else "" for c in labels] + [""] * (len(_shape(rows_use)) - len(labels))
-    return got is not None and [d.replace(_BROADCAST, "") for d in got] == want
+    want = _kept(labels, sizes) + [""] * (len(_shape(rows_use)) - len(labels))
+    return got is not None and [d.replace(dim_labels.BROADCAST, "") for d in got] == want
 
 
 # ----------------------------------------------------------------------------- rewrite

@@ -17,6 +17,7 @@ from torch._inductor.utils import run_and_get_code
 from dsv4_compile.backend import Dsv4Backend
 from dsv4_compile.model.hotspots import gather_rows, sparse_attention_with_sink
 from dsv4_compile.passes import sparse_mla as sparse_mla_pass
+from dsv4_compile.passes.fx_match import Decline
 from dsv4_compile.passes.manager import PassConfig
 from dsv4_compile.passes.report import PassReport
 from helpers import BmmToMmOnCpu, TargetsBefore
@@ -550,3 +551,33 @@ def test_rows_zeroed_where_the_mask_reads_them_are_declined():
     fn = lambda *a: zero_filled_window_attention(*a, zeroed="valid")  # noqa: E731
     assert_declined(fn, coinciding_inputs(**ONE_BATCH), "the zero fill writes the rows the attention reads")
 
+
+@pytest.mark.parametrize("layer", ["window", "csa"])
+def test_symbolic_batch_and_tokens_are_rewritten(layer):
+    """A recompile for a second batch size makes B and T symbolic: the layout checks decide on them."""
+    args = model_inputs(layer, 3)
+    for arg in args:
+        if arg.dim() >= 3:  # q and the indices: [B, T, ...]
+            torch._dynamo.mark_dynamic(arg, 0)
+            torch._dynamo.mark_dynamic(arg, 1)
+    fn = window_attention if layer == "window" else two_pool_attention
+    out, code, report = compile_with_pass(fn, *args)
+    assert report.count("sparse_mla") == 1, report.records
+    assert "dsv4.sparse_mla" in code and "bmm" not in code
+    torch.testing.assert_close(out, fn(*args), **TOL[torch.bfloat16])
+
+
+def test_a_reshape_symbolic_sizes_cannot_decide_is_declined_as_such():
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from dsv4_compile.passes import dim_labels
+
+    env = ShapeEnv()
+    batch = env.create_symintnode(env.create_symbol(4, ConstantSource("batch")), hint=4)
+    dims = dim_labels.labelled((batch, 4), "bt")
+    assert dim_labels.regrouped(dims, (batch * 4,)) == ((("b", batch), ("t", 4)),)
+    with pytest.raises(dim_labels.Undecidable, match="symbolic sizes the layout check cannot decide"):
+        dim_labels.regrouped(dims, (batch * 2, 2))
+    with pytest.raises(Decline, match="a reshape splits a dim"):
+        dim_labels.regrouped(dim_labels.labelled((3, 4), "bt"), (6, 2))
