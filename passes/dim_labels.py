@@ -2,10 +2,10 @@
 
 A tensor's dims are written as the source dims each one holds, major to minor: a dim is a tuple of
 atoms (label, size). Labels name the dims a matcher follows (a request, a token, a head, ...);
-BROADCAST is a dim whose entries do not depend on them. Sizes statically 1 carry no order and are
-left out, so a dim of size 1 is (). Sizes may be SymInts: they are compared with fx_match.equal
-(equal for every value of their symbols), and a reshape whose regrouping that cannot prove is
-declined as undecidable rather than guessed.
+BROADCAST is a dim whose entries do not depend on them (a broadcast, or data not followed). Sizes
+statically 1 carry no order and are left out, so a dim of size 1 is (). Sizes may be SymInts: they
+are compared with fx_match.equal (equal for every value of their symbols), and a reshape whose
+regrouping that cannot prove is declined as Undecidable rather than guessed.
 """
 from __future__ import annotations
 

@@ -57,6 +57,8 @@ from torch.fx import Graph, Node
 
 import dsv4_compile.kernels.indexer_topk as kernel
 from dsv4_compile.passes import indexer_sglang
+from dsv4_compile.passes.dim_labels import (BROADCAST, LAYOUT_OPS, broadcast_dim, dims_after_op, dims_through,
+                                            expanded, is_one, labelled, labels_of, same_dim)
 from dsv4_compile.passes.fx_match import (PASS_THROUGH, RESHAPES, Decline, call, equal, is_call, match_bmm, require,
                                           shape, strip, topk_dim_largest, val)
 
@@ -98,101 +100,6 @@ def _is_slot_iota(node: Node, slots) -> bool:
     if is_call(node, aten.arange.default, aten.arange.start):
         return node.target == aten.arange.default and equal(node.args[0], slots)
     return False
-
-
-# -- dims as atoms ----------------------------------------------------------------------------
-# A tensor's dims as the source dims each one holds, major to minor: an atom is (key, size).
-# Keys name the dims the checks follow (a request, a token, the top-k axis...); "." is a dim whose
-# entries do not depend on those (a broadcast, or data not followed). Sizes statically 1 carry no
-# order and are left out, so a dim of size 1 is ().
-_FREE = "."
-_LAYOUT_OPS = RESHAPES | {aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
-                          aten.squeeze.default, aten.permute.default, aten.transpose.int, aten.clone.default,
-                          aten.alias.default, prims.convert_element_type.default}
-
-
-def _is_one(size) -> bool:
-    return isinstance(size, int) and size == 1
-
-
-def _atoms(shape_, keys) -> tuple:
-    return tuple(() if _is_one(s) else ((k, s),) for s, k in zip(shape_, keys))
-
-
-def _fresh(size) -> tuple:
-    return () if _is_one(size) else ((_FREE, size),)
-
-
-def _keys(dim) -> tuple:
-    return tuple(key for key, _ in dim)
-
-
-def _regrouped(dims: tuple, out_shape) -> tuple:
-    """The dims after a reshape to `out_shape` (row-major: the atoms keep their order and are
-    regrouped); Decline if the reshape splits an atom."""
-    atoms = [a for dim in dims for a in dim]
-    out, i = [], 0
-    for size in out_shape:
-        group, total = [], 1
-        while not _is_one(size) and not equal(total, size):
-            require(i < len(atoms), "a reshape splits a dim")
-            group.append(atoms[i])
-            total *= atoms[i][1]
-            i += 1
-        out.append(tuple(group))
-    require(i == len(atoms), "a reshape splits a dim")
-    return tuple(out)
-
-
-def _expanded(dims: tuple, out_shape) -> tuple:
-    """The dims after an expand to `out_shape` (new and size-1 dims become broadcast dims)."""
-    dims = ((),) * (len(out_shape) - len(dims)) + tuple(dims)
-    return tuple(_fresh(s) if dim == () else dim for dim, s in zip(dims, out_shape))
-
-
-def _layout(node: Node, dims: tuple) -> tuple:
-    """The dims of `node`, one of _LAYOUT_OPS, on a tensor with `dims`."""
-    target, args = node.target, node.args
-    if target in RESHAPES:
-        return _regrouped(dims, shape(node))
-    if target == aten.expand.default:
-        return _expanded(dims, shape(node))
-    if target == aten.unsqueeze.default:
-        at = args[1] % (len(dims) + 1)
-        return dims[:at] + ((),) + dims[at:]
-    if target in (aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default):
-        listed = args[1] if len(args) > 1 else range(len(dims))
-        gone = {d % len(dims) for d in (listed if isinstance(listed, (list, tuple, range)) else [listed])}
-        require(all(dims[d] == () or isinstance(shape(args[0])[d], int) for d in gone),
-                "a squeeze of a dim that may be 1")
-        return tuple(dim for d, dim in enumerate(dims) if not (d in gone and dim == ()))
-    if target == aten.permute.default:
-        return tuple(dims[p % len(dims)] for p in args[1])
-    if target == aten.transpose.int:
-        a, b = (d % len(dims) for d in args[1:3])
-        swapped = list(dims)
-        swapped[a], swapped[b] = dims[b], dims[a]
-        return tuple(swapped)
-    return dims  # clone, alias, convert_element_type
-
-
-def _dims_through(start: Node, start_keys, end: Node) -> tuple:
-    """The dims of `end`, reached from `start` (its dims named by `start_keys`) through layout
-    ops on the first argument only."""
-    chain = []
-    while end is not start:
-        require(is_call(end, *_LAYOUT_OPS), f"{end.name} ({getattr(end, 'target', end)}) is not a layout op")
-        chain.append(end)
-        end = end.args[0]
-    dims = _atoms(shape(start), start_keys)
-    for node in reversed(chain):
-        dims = _layout(node, dims)
-    return dims
-
-
-def _same_atoms(got: tuple, want: tuple) -> bool:
-    return len(got) == len(want) and all(
-        a == b and equal(x, y) for (a, x), (b, y) in zip(got, want))
 
 
 class _Match:
@@ -353,14 +260,14 @@ class _Match:
         are followed dim by dim (a reshape or expand that puts T before B would mix requests,
         with sizes that still fit when B == T)."""
         batch, tokens = shape(self.q)[:2]
-        rows = tuple(a for a in (("b", batch), ("t", tokens)) if not _is_one(a[1]))
-        q_dims = _dims_through(self.q, ("b", "t", "h", "d"), self.bmm.mat1)
-        require(len(q_dims) == 3 and _same_atoms(q_dims[0], rows) and _keys(q_dims[1]) == ("h",)
-                and _keys(q_dims[2]) == ("d",), "the bmm's query rows are not the queries (b, t) in order")
-        key_rows = tuple(a for a in (("b", batch), (_FREE, tokens)) if not _is_one(a[1]))
-        k_dims = _dims_through(self.flat, ("b", "s", "d"), self.bmm.mat2)
-        require(len(k_dims) == 3 and _same_atoms(k_dims[0], key_rows) and _keys(k_dims[1]) == ("d",)
-                and _keys(k_dims[2]) == ("s",),
+        rows = tuple(a for a in (("b", batch), ("t", tokens)) if not is_one(a[1]))
+        q_dims = dims_through(self.q, labelled(shape(self.q), "bthd"), self.bmm.mat1)
+        require(len(q_dims) == 3 and same_dim(q_dims[0], rows) and labels_of(q_dims[1]) == ("h",)
+                and labels_of(q_dims[2]) == ("d",), "the bmm's query rows are not the queries (b, t) in order")
+        key_rows = tuple(a for a in (("b", batch), (BROADCAST, tokens)) if not is_one(a[1]))
+        k_dims = dims_through(self.flat, labelled(shape(self.flat), "bsd"), self.bmm.mat2)
+        require(len(k_dims) == 3 and same_dim(k_dims[0], key_rows) and labels_of(k_dims[1]) == ("d",)
+                and labels_of(k_dims[2]) == ("s",),
                 "the bmm's key rows are not the keys of request b for each query (b, t): requests mixed")
 
 
@@ -405,12 +312,12 @@ class _Permuted:
 
     @property
     def k_dim(self) -> int:
-        return next(d for d, dim in enumerate(self.dims) if _K in _keys(dim))
+        return next(d for d, dim in enumerate(self.dims) if _K in labels_of(dim))
 
     def followed(self, rank: int) -> tuple:
         """Per dim, broadcast to `rank`, the followed atoms (rows and the top-k axis)."""
         dims = ((),) * (rank - len(self.dims)) + self.dims
-        return tuple(tuple(key for key in _keys(dim) if key != _FREE) for dim in dims)
+        return tuple(tuple(key for key in labels_of(dim) if key != BROADCAST) for dim in dims)
 
     def with_dim(self, dim: int, label: tuple, shift=0) -> "_Permuted":
         dims = self.dims[:dim] + (label,) + self.dims[dim + 1:]
@@ -424,7 +331,7 @@ def check_order_free(topk: Node, out: Node, k: int) -> None:
     if k == 1 or not _sorted(topk):
         return
     rows = [f"row{i}" for i in range(len(shape(out)) - 1)]
-    state = {out: _Permuted(_atoms(shape(out), rows + [_K]), (0, k))}
+    state = {out: _Permuted(labelled(shape(out), rows + [_K]), (0, k))}
     node = out.next
     while node.op != "root":
         if any(a in state for a in node.all_input_nodes):
@@ -494,17 +401,17 @@ def _merged(node: Node, out_shape, operands, state: dict) -> _Permuted:
         if arg not in state and isinstance(val(arg), torch.Tensor):
             arg_shape = shape(arg)
             at = k_dim - (rank - len(arg_shape))
-            require(at < 0 or _is_one(arg_shape[at]),
+            require(at < 0 or is_one(arg_shape[at]),
                     f"{node.name} combines the top-k indices with {arg.name}, which varies along the top-k dim")
     dims = ((),) * (rank - len(first.dims)) + first.dims
-    dims = tuple(dim if any(key != _FREE for key in _keys(dim)) else _fresh(size)
+    dims = tuple(dim if any(key != BROADCAST for key in labels_of(dim)) else broadcast_dim(size)
                  for dim, size in zip(dims, out_shape))
     return _Permuted(dims, first.block)
 
 
 def _read_layout(node: Node, state: dict) -> _Permuted:
     permuted = state[node.args[0]]
-    out = _Permuted(_layout(node, permuted.dims), permuted.block)
+    out = _Permuted(dims_after_op(node, permuted.dims), permuted.block)
     require(len(out.dims[out.k_dim]) == 1, f"{node.name} merges the top-k dim with another dim")
     return out
 
@@ -548,8 +455,8 @@ def _read_matmul(node: Node, state: dict) -> _Permuted | None:
     require(permuted.k_dim >= batch and not permuted.followed(rank)[contracted],
             f"{node.name} sums over the rows of the top-k")
     if pa is not None:
-        return _Permuted(pa.dims[:batch + 1] + (_fresh(out_shape[-1]),), pa.block)
-    return _Permuted(pb.dims[:batch] + (_fresh(out_shape[-2]), pb.dims[batch + 1]), pb.block)
+        return _Permuted(pa.dims[:batch + 1] + (broadcast_dim(out_shape[-1]),), pa.block)
+    return _Permuted(pb.dims[:batch] + (broadcast_dim(out_shape[-2]), pb.dims[batch + 1]), pb.block)
 
 
 def _read_index(node: Node, state: dict) -> _Permuted:
@@ -561,7 +468,7 @@ def _read_index(node: Node, state: dict) -> _Permuted:
     out_shape = shape(node)
     lead = len(out_shape) - (len(shape(src)) - len(indices))
     picked = _merged(node, out_shape[:lead], indices, state)
-    return _Permuted(picked.dims + tuple(_fresh(s) for s in out_shape[lead:]), picked.block)
+    return _Permuted(picked.dims + tuple(broadcast_dim(s) for s in out_shape[lead:]), picked.block)
 
 
 def _read_gather(node: Node, state: dict) -> _Permuted:
@@ -586,7 +493,7 @@ def _read_cat(node: Node, state: dict) -> _Permuted:
     require(len(permuted) == len(tensors) and not first.followed(len(out_shape))[dim]
             and all(state[t].followed(len(out_shape)) == first.followed(len(out_shape)) for t in permuted),
             f"{node.name} concatenates top-k indices with other values along another dim")
-    return first.with_dim(dim, _fresh(out_shape[dim]))
+    return first.with_dim(dim, broadcast_dim(out_shape[dim]))
 
 
 def _slice_bounds(size, start, end, step) -> tuple:
@@ -633,13 +540,13 @@ def _placed(node: Node, permuted: _Permuted, dim, start, end, step, full_shape, 
                 and len(permuted.dims[dim]) == 1,
                 f"{node.name} moves the rows of the top-k")
         return permuted.with_dim(dim, ((permuted.dims[dim][0][0], out_shape[dim]),))
-    return permuted.with_dim(dim, _fresh(out_shape[dim]))
+    return permuted.with_dim(dim, broadcast_dim(out_shape[dim]))
 
 
 def _read_copy(node: Node, state: dict) -> _Permuted | None:
     """copy(dst, src): src broadcast to dst's shape, all of dst's values overwritten."""
     src = state.get(node.args[1])
-    return None if src is None else _Permuted(_expanded(src.dims, shape(node)), src.block)
+    return None if src is None else _Permuted(expanded(src.dims, shape(node)), src.block)
 
 
 def _read_pad(node: Node, state: dict) -> _Permuted:
@@ -654,11 +561,11 @@ def _read_pad(node: Node, state: dict) -> _Permuted:
         elif permuted.followed(len(out_shape))[dim]:
             require(low == high == 0, f"{node.name} pads the rows of the top-k")
         else:
-            permuted = permuted.with_dim(dim, _fresh(out_shape[dim]))
+            permuted = permuted.with_dim(dim, broadcast_dim(out_shape[dim]))
     return permuted
 
 
-_READERS = {**{op: _read_layout for op in _LAYOUT_OPS}, **{op: _read_reduction for op in _REDUCTIONS},
+_READERS = {**{op: _read_layout for op in LAYOUT_OPS}, **{op: _read_reduction for op in _REDUCTIONS},
             aten.bmm.default: _read_matmul, aten.mm.default: _read_matmul, aten.index.Tensor: _read_index,
             aten.gather.default: _read_gather, aten.cat.default: _read_cat, aten.slice.Tensor: _read_slice,
             aten.slice_scatter.default: _read_slice_scatter, aten.constant_pad_nd.default: _read_pad,
