@@ -270,6 +270,9 @@ _DIFFER = "probe values differ"
 # hold that compute other weights; the op kinds alone do not tell.
 _OTHER_DEQUANTISATIONS = {
     "times 2": ("mxfp4", HIDDEN, INTER, _variant(gate_up_weights=lambda *a: _dequantize(*a) * 2), _DIFFER),
+    # MXFP4 dequantises exactly: a factor within any rounding tolerance differs all the same
+    "times 1 + 2**-20": ("mxfp4", HIDDEN, INTER, _variant(down_weights=lambda *a: _dequantize(*a) * (1 + 2**-20)),
+                         _DIFFER),
     "times a constant": ("mxfp4", HIDDEN, INTER, _variant(down_weights=_halved_columns), _DIFFER),
     "global twice": ("nvfp4", HIDDEN, INTER,
                      _variant(gate_up_weights=lambda p, s, g, dt: _dequantize(p, s, g, dt) * g[..., None, None]),
