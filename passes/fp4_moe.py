@@ -24,6 +24,7 @@ from torch.fx import Graph, Node
 from dsv4_compile.fp4 import MXFP4_BLOCK, NVFP4_BLOCK, dequantize_mxfp4, dequantize_nvfp4
 from dsv4_compile.fp4_tiles import is_tiled, logical_shape, tile_fp4
 from dsv4_compile.passes.fx_match import Decline, is_bmm, match_bmm
+from dsv4_compile.passes.fx_probe import NoProbe, ReadsOutside, run_region
 
 logger = logging.getLogger("dsv4_compile")
 
@@ -153,16 +154,12 @@ def _expert_weights(region: set[Node], hidden: int, first: bool):
 _PROBE_ROWS, _PROBE_COLS, _PROBE_TOKENS = 64, 256, 2
 
 
-class _NoProbe(Exception):
-    """The weight path cannot be run on a leading block of its gathered experts."""
-
-
 def _check_dequant(out: Node, region: set[Node], fmt: str, packed: Node, scale: Node, glob: Node | None,
                    ids: Node) -> None:
     """Runs the weight path (`region`, gathers to `out`) on random codes, scales and globals of a few
     experts, and declines unless `out` is the op's dequantisation of the gathered experts, [pairs,
     rows, cols] in row order. Full-size experts are probed on a leading block of rows, columns and
-    tokens (`_block_args`), never on all experts. The op-kind checks alone let an extra factor, a
+    tokens (fx_probe.run_region), never on all experts. The op-kind checks alone let an extra factor, a
     transposed weight, swapped nibbles or another scale bias or grouping through."""
     if not all(_static(n) for n in region | {ids}):
         return  # symbolic sizes: no probe values (the op-kind checks stand)
@@ -175,7 +172,7 @@ def _check_dequant(out: Node, region: set[Node], fmt: str, packed: Node, scale: 
     want = want.flatten(0, probe_ids.ndim - 1)
     try:
         got = _run_block(out, region, stored, ids, probe_ids)
-    except _NoProbe as why:
+    except NoProbe as why:
         raise _Decline(f"the weight path cannot be run on probe values ({why})") from None
     if fmt == "mxfp4":  # e2m1 values (2 significant bits) times powers of two: exact in bf16 and f16
         same = got.shape == want.shape and torch.equal(got.float(), want)
@@ -219,121 +216,14 @@ def _probe_experts(fmt: str, packed: Node, scale: Node, glob: Node | None, ids: 
 
 
 def _run_block(out: Node, region: set[Node], stored: dict, ids: Node, probe_ids: torch.Tensor) -> torch.Tensor:
-    """`out` computed by the region's nodes from the probe experts gathered by `probe_ids`, on the
-    probe's device: a node's device kwarg (arange, iota) is the graph's device, not the probe's."""
-    device = probe_ids.device
-    env = {}
-    for node in [n for n in out.graph.nodes if n in region and n not in stored]:
-        if node.op == "get_attr":  # a constant of the decode (the e2m1 table)
-            env[node] = operator.attrgetter(node.target)(node.graph.owning_module).detach().cpu()
-            continue
-        if node.target == aten.index.Tensor and node.args[0] in stored and node.args[1][0] is ids:
-            env[node] = stored[node.args[0]][probe_ids]
-        elif node.op != "call_function" or any(a not in env for a in node.all_input_nodes):
-            raise _Decline("the weight path reads tensors other than the gathered codes, scales and globals")
-        else:
-            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: env[a])
-            if "device" in kwargs:
-                kwargs = {**kwargs, "device": device}
-            target, args = _block_args(node, args)
-            env[node] = target(*args, **kwargs)
-        _check_block(node, env[node])
-    return env[out]
-
-
-def _block_args(node: Node, args: tuple):
-    """(target, args) computing the leading block of `node`'s value from leading blocks of its
-    inputs: reshape and expand sizes cut to the block; a slice, select, unbind, cat or index that
-    would read a cut dim past its block, or operands whose blocks no longer broadcast where the
-    whole ones do, raise _NoProbe."""
-    target, x = node.target, args[0]
-    if target == aten.index.Tensor:  # the indices broadcast together, not with the indexed tensor
-        _check_broadcast(node, node.args[1], args[1])
-    else:
-        _check_broadcast(node, node.args, args)
-    if target in (aten.reshape.default, aten.view.default, aten._unsafe_view.default):
-        return aten.reshape.default, (x, _block_reshape(_val(node.args[0]).shape, x.shape, _val(node).shape))
-    if target == aten.expand.default:
-        full_in, full_out = _val(node.args[0]).shape, _val(node).shape
-        lead = len(full_out) - x.ndim
-        return target, (x, [x.shape[d - lead] if d >= lead and full_in[d - lead] == full_out[d] else full_out[d]
-                            for d in range(len(full_out))])
-    if target in (aten.slice.Tensor, aten.select.int, aten.unbind.int):
-        dim = (args[1] if len(args) > 1 else 0) % x.ndim
-        start = args[2] if len(args) > 2 else None
-        if x.shape[dim] != _val(node.args[0]).shape[dim] and (
-                target == aten.unbind.int or (target == aten.slice.Tensor and start not in (None, 0))
-                or (target == aten.select.int and not 0 <= start < x.shape[dim])):
-            raise _NoProbe(f"{node.name} reads a cut dim past its block")
-    if target == aten.cat.default:
-        dim = args[1] if len(args) > 1 else 0
-        if any(p.shape[dim] != _val(n).shape[dim] for p, n in zip(x, node.args[0])):
-            raise _NoProbe(f"{node.name} concatenates along a cut dim")
-    if target == aten.index.Tensor:
-        full = _val(node.args[0]).shape
-        if any(i is not None and x.shape[d] != full[d] for d, i in enumerate(args[1])):
-            raise _NoProbe(f"{node.name} indexes a cut dim")
-    return target, args
-
-
-def _check_broadcast(node: Node, operands, blocks) -> None:
-    """Raises _NoProbe if the tensors among `operands` (args of `node`) broadcast together but
-    their `blocks` do not (a cut dim against a whole one)."""
-    full, cut = [], []
-    for a, b in zip(operands, blocks):
-        for n, v in zip(a, b) if isinstance(a, (list, tuple)) else [(a, b)]:
-            if isinstance(v, torch.Tensor) and isinstance(_val(n), torch.Tensor):
-                full.append(_val(n).shape)
-                cut.append(v.shape)
-    if len(cut) < 2:
-        return
+    """`out` computed by the region's nodes from the probe experts gathered by `probe_ids`."""
+    gathers = {n: stored[n.args[0]][probe_ids] for n in region
+               if n.target == aten.index.Tensor and n.args[0] in stored and n.args[1][0] is ids}
+    nodes = [n for n in out.graph.nodes if n in region and n not in stored and n not in gathers]
     try:
-        torch.broadcast_shapes(*full)
-    except RuntimeError:
-        return  # operands that do not broadcast together (cat's)
-    try:
-        torch.broadcast_shapes(*cut)
-    except RuntimeError:
-        raise _NoProbe(f"{node.name} combines a cut dim with a whole one") from None
-
-
-def _block_reshape(full_in, block_in, full_out) -> list[int]:
-    """Sizes of the block of a reshape's output that is the leading block `block_in` of its input:
-    each group of dims that the reshape merges or splits may be cut in its first dim only."""
-    src = [(f, b) for f, b in zip(full_in, block_in) if f != 1]
-    dst = [d for d, f in enumerate(full_out) if f != 1]
-    sizes, i, j = [1] * len(full_out), 0, 0
-    while i < len(src):
-        ii, jj, have, want = i + 1, j + 1, src[i][0], full_out[dst[j]]
-        while have != want:
-            if have < want:
-                have, ii = have * src[ii][0], ii + 1
-            else:
-                want, jj = want * full_out[dst[jj]], jj + 1
-        if any(b != f for f, b in src[i + 1:ii]):
-            raise _NoProbe("a reshape merges a cut dim with the dims before it")
-        count = math.prod(b for _, b in src[i:ii])
-        for d in reversed(dst[j + 1:jj]):
-            if count % full_out[d]:
-                raise _NoProbe("a reshape splits a cut dim across its block")
-            sizes[d], count = full_out[d], count // full_out[d]
-        sizes[dst[j]] = count
-        i, j = ii, jj
-    return sizes
-
-
-def _check_block(node: Node, value) -> None:
-    """Raises _NoProbe unless `value` has `node`'s rank and dtype and is a leading block of it with
-    the same unit dims (a dim cut to 1 would broadcast where the full one does not)."""
-    full = _val(node)
-    pairs = zip(value, full) if isinstance(full, (list, tuple)) else [(value, full)]
-    for got, want in pairs:
-        if not isinstance(want, torch.Tensor):
-            continue
-        if (not isinstance(got, torch.Tensor) or got.dtype != want.dtype or got.ndim != want.ndim
-                or any(b > f or (b == 1) != (f == 1) for b, f in zip(got.shape, want.shape))):
-            shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
-            raise _NoProbe(f"{node.name} is {shape} of {tuple(want.shape)}")
+        return run_region(nodes, gathers)[out]
+    except ReadsOutside:
+        raise _Decline("the weight path reads tensors other than the gathered codes, scales and globals") from None
 
 
 def _limit_of(region: set[Node], op, index: int = 1):
@@ -426,17 +316,15 @@ def _check_activation(split: Node, act: Node, region: set[Node], limit: float | 
     bound = 4.0 if limit is None else 2.0 * limit
     gen = torch.Generator().manual_seed(0)
     probe = ((torch.rand(source.shape, generator=gen) * 2 - 1) * bound).to(source.dtype)
-    env = {split.args[0]: probe}
-    for node in [split] + [n for n in split.graph.nodes if n in region]:
-        if node.op != "call_function" or any(a not in env for a in node.all_input_nodes):
-            raise _Decline("the activation reads tensors other than the gate/up product")
-        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: env[a])
-        env[node] = node.target(*args, **kwargs)
+    try:
+        got = run_region([split] + [n for n in split.graph.nodes if n in region], {split.args[0]: probe})[act]
+    except ReadsOutside:
+        raise _Decline("the activation reads tensors other than the gate/up product") from None
     gate, up = probe.float().split(size // 2, dim)
     if limit is not None:
         gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
     want = torch.nn.functional.silu(gate) * up
-    got = env[act].float()
+    got = got.float()
     # the activation's own dtype rounds (bf16: 2**-8 relative, a few roundings deep)
     tolerance = 1e-5 if got.dtype == torch.float32 and _val(act).dtype == torch.float32 else 3e-2
     if got.shape != want.shape or not torch.allclose(got, want, rtol=tolerance, atol=tolerance * bound):

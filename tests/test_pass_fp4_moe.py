@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from dsv4_compile import fp4, fp4_tiles
 from dsv4_compile.fp4_tiles import tile_fp4
 from dsv4_compile.model.hotspots import moe_experts_fp4, moe_experts_gathered
-from dsv4_compile.passes import fp4_moe as fp4_pass
+from dsv4_compile.passes import fp4_moe as fp4_pass, fx_probe
 from helpers import BmmToMmOnCpu, compile_with_probe, make_experts
 
 EXPERTS, HIDDEN, INTER, TOP_K = 4, 64, 32, 2
@@ -339,7 +339,7 @@ def test_errors_inside_the_probe_propagate(monkeypatch):
     """An error of the probe's own (a bug in the pass) is raised, not recorded as a decline."""
     def broken(node, value):
         raise RuntimeError("a bug in the probe")
-    monkeypatch.setattr(fp4_pass, "_check_block", broken)
+    monkeypatch.setattr(fx_probe, "_check_block", broken)
     ids, weights = routing(3, seed=4)
     args = (torch.randn(3, HIDDEN), ids, weights, *experts("mxfp4"), 5.0)
     compiled, hook, report = compile_with_pass(_variant())
