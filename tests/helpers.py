@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
-from torch._inductor.fx_passes import joint_graph, post_grad
+from torch._inductor.fx_passes import joint_graph, pad_mm, post_grad
+from torch._inductor.pattern_matcher import PatternMatcherPass, fwd_only, register_replacement
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from dsv4_compile import fp4
@@ -171,6 +172,30 @@ class OnlineSoftmaxOnCpu:
             return False
         self.rewrites += 1
         return torch._inductor.config.online_softmax
+
+
+class PadBmmAsInductorOnCuda(CustomGraphPass):
+    """inductor's pad_mm rewrite of bmm, which it applies on CUDA only and where a benchmark says
+    so: torch's own pattern and replacement, here for every bmm with a dim off the alignment."""
+
+    def __init__(self) -> None:
+        self.patterns = PatternMatcherPass()
+        self.padded = 0
+        register_replacement(pad_mm.bmm_pattern, pad_mm.bmm_replace, [torch.empty(2, 3, 5), torch.empty(2, 5, 7)],
+                             fwd_only, self.patterns, extra_check=self._off_alignment)
+
+    def _off_alignment(self, match) -> bool:
+        mat1, mat2 = (match.kwargs[name].meta["val"] for name in ("mat1", "mat2"))
+        align = pad_mm.get_alignment_size(mat1)
+        off = any(pad_mm.get_padded_length(size, align) for size in (*mat1.shape[1:], mat2.shape[2]))
+        self.padded += off
+        return off
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        self.patterns.apply(graph)
+
+    def uuid(self) -> bytes:
+        return b"PadBmmAsInductorOnCuda"
 
 
 class TargetsBefore(CustomGraphPass):

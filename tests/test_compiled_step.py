@@ -5,7 +5,7 @@ import torch
 
 import dsv4_compile
 from dsv4_compile.model.fp4_experts import quantize_experts_
-from helpers import BmmToMmOnCpu, OnlineSoftmaxOnCpu, StepRecorder, compile_model, make_prompts
+from helpers import BmmToMmOnCpu, OnlineSoftmaxOnCpu, PadBmmAsInductorOnCuda, StepRecorder, compile_model, make_prompts
 
 LENGTHS = (37, 22, 9)
 NEW_TOKENS = 8
@@ -123,21 +123,24 @@ def test_batch_one_decode_matches_when_inductor_makes_bmms_mm(model, monkeypatch
 
 
 def test_every_site_matches_in_inductors_cuda_forms(model, reference, monkeypatch):
-    """On CUDA inductor turns each softmax into prepare_softmax_online (and batch-1 bmms into mms):
-    forced here on CPU (the compressor's softmax kept, see OnlineSoftmaxOnCpu), every site still
-    matches in the decode and the verify graph (the indexer's top-k readers among them: the attention
-    over the selection, online softmax and all), and the steps equal the uncompiled ones."""
+    """On CUDA inductor turns each softmax into prepare_softmax_online, batch-1 bmms into mms and, where
+    a benchmark says so, pads bmms off the alignment (pad_mm): all forced here on CPU (the compressor's
+    softmax kept, see OnlineSoftmaxOnCpu; every bmm off the alignment padded), every site still matches
+    in the decode and the verify graph (the indexer's top-k readers among them: the attention over the
+    selection, padded and online softmax and all), and the steps equal the uncompiled ones."""
     online = OnlineSoftmaxOnCpu(monkeypatch, keep_files=("compressor.py",))
     BmmToMmOnCpu(monkeypatch)
+    padding = PadBmmAsInductorOnCuda()
     prompts, expected = reference
     torch._dynamo.reset()
-    with torch._inductor.config.patch(force_disable_caches=True):
+    with torch._inductor.config.patch(force_disable_caches=True, post_grad_custom_pre_pass=padding):
         engine = dsv4_compile.optimize(model, max_batch=4, max_context=256, verify_tokens=3)
         recorder = StepRecorder(engine.compiled_step)
         engine.compiled_step = recorder
         assert engine.generate(prompts, 3) == [e[:3] for e in expected]
         assert engine.generate(prompts, 3, draft=lambda tokens: tokens[-3:]) == [e[:3] for e in expected]
     assert online.rewrites >= 2 * LAYERS  # each graph's attention softmaxes, at least
+    assert padding.padded > 0
     for graph in ("T=1", "T=4"):
         for name, sites in EXPECTED_SITES.items():
             assert engine.report.count(name, graph) == sites, (name, graph, engine.report.format())

@@ -10,8 +10,6 @@ import pytest
 import torch
 from torch._inductor import inductor_prims
 from torch._inductor.custom_graph_pass import CustomGraphPass
-from torch._inductor.fx_passes import pad_mm
-from torch._inductor.pattern_matcher import PatternMatcherPass, fwd_only, register_replacement
 from torch._inductor.utils import run_and_get_code
 
 from dsv4_compile.backend import Dsv4Backend
@@ -20,7 +18,7 @@ from dsv4_compile.passes import sparse_mla as sparse_mla_pass
 from dsv4_compile.passes.fx_match import Decline
 from dsv4_compile.passes.manager import PassConfig
 from dsv4_compile.passes.report import PassReport
-from helpers import BmmToMmOnCpu, TargetsBefore
+from helpers import BmmToMmOnCpu, PadBmmAsInductorOnCuda, TargetsBefore
 
 PASS = "dsv4_compile.passes.sparse_mla"
 TOL = {torch.bfloat16: dict(atol=3e-2, rtol=3e-2), torch.float32: dict(atol=1e-4, rtol=1e-4)}
@@ -121,30 +119,6 @@ def test_a_mask_beyond_idx_ge_0_is_folded_into_the_indices():
     out, code, report = compile_with_pass(index_and_causal_mask, *args)
     assert report.count("sparse_mla") == 1 and "bmm" not in code
     torch.testing.assert_close(out, index_and_causal_mask(*args), **TOL[torch.bfloat16])
-
-
-class PadBmmAsInductorOnCuda(CustomGraphPass):
-    """inductor's pad_mm rewrite of bmm, which it applies on CUDA only and where a benchmark says
-    so: torch's own pattern and replacement, here for every bmm with a dim off the alignment."""
-
-    def __init__(self) -> None:
-        self.patterns = PatternMatcherPass()
-        self.padded = 0
-        register_replacement(pad_mm.bmm_pattern, pad_mm.bmm_replace, [torch.empty(2, 3, 5), torch.empty(2, 5, 7)],
-                             fwd_only, self.patterns, extra_check=self._off_alignment)
-
-    def _off_alignment(self, match) -> bool:
-        mat1, mat2 = (match.kwargs[name].meta["val"] for name in ("mat1", "mat2"))
-        align = pad_mm.get_alignment_size(mat1)
-        off = any(pad_mm.get_padded_length(size, align) for size in (*mat1.shape[1:], mat2.shape[2]))
-        self.padded += off
-        return off
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        self.patterns.apply(graph)
-
-    def uuid(self) -> bytes:
-        return b"PadBmmAsInductorOnCuda"
 
 
 @pytest.mark.parametrize("tokens", [1, 3], ids=["decode", "verify"])
