@@ -1157,7 +1157,7 @@ def native_fp4_dot(x: torch.Tensor, fmt: str) -> bool:
     With x in bf16, Triton 3.6 compiles tl.dot_scaled to bf16 MMAs on the decoded codes, not FP4 ones
     (cross-compiled PTX, twenty-ninth session): tcgen05 kind::f16 on sm_100, mma.sync m16n8k16 bf16 on
     sm_120. On sm_120 that is the instruction the mma path's one-warp tiles use on the H200 too, where
-    the mma path beat GEMV by 17-25% at M=1 and 8 (bench/RESULTS.md, sixth session), so sm_120 takes
+    the mma path beat GEMV by 17-26% at M=1 and 8 (bench/RESULTS.md, sixth session), so sm_120 takes
     the mma path (not timed on sm_120); sm_100 keeps tl.dot_scaled (not timed either)."""
     return fmt == "mxfp4" and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] == 10
 

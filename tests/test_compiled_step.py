@@ -102,48 +102,32 @@ def test_every_site_matches_in_a_bf16_decode_graph():
         assert engine.report.count(name, "T=1") == sites, (name, engine.report.format())
 
 
-def test_batch_one_decode_matches_when_inductor_makes_bmms_mm(model, monkeypatch):
-    """At B = 1, T = 1 on CUDA inductor turns the indexer's and the attention's batch-1 bmms into
-    unsqueeze(mm(squeeze, squeeze), 0) (bmm_to_mm); forced here on CPU, every site still matches."""
-    bmm_to_mm = BmmToMmOnCpu(monkeypatch)
-    torch._dynamo.reset()
-    with torch._inductor.config.patch(force_disable_caches=True):
-        engine = dsv4_compile.optimize(model, max_batch=1, max_context=256, verify_tokens=3)
-        prompts = make_prompts((13,), model.config.vocab_size, seed=4)
-        recorder = StepRecorder(engine.compiled_step)
-        engine.compiled_step = recorder
-        engine.generate(prompts, 3)
-    assert bmm_to_mm.rewrites >= CSA_LAYERS + 2 * LAYERS
-    assert recorder.calls and all(ids.shape == (1, 1) for ids, *_ in recorder.calls)
-    for name, sites in EXPECTED_SITES.items():
-        assert engine.report.count(name, "T=1") == sites, (name, engine.report.format())
-    eager = dsv4_compile.optimize(model, max_batch=1, max_context=256, verify_tokens=3, compile=False)
-    eager.generate(prompts, 1)
-    _assert_steps_match(recorder, eager.module)
-
-
 def test_every_site_matches_in_inductors_cuda_forms(model, reference, monkeypatch):
-    """On CUDA inductor turns each softmax into prepare_softmax_online, batch-1 bmms into mms and, where
-    a benchmark says so, pads bmms off the alignment (pad_mm): all forced here on CPU (the compressor's
-    softmax kept, see OnlineSoftmaxOnCpu; every bmm off the alignment padded), every site still matches
-    in the decode and the verify graph (the indexer's top-k readers among them: the attention over the
-    selection, padded and online softmax and all), and the steps equal the uncompiled ones."""
+    """On CUDA inductor turns each softmax into prepare_softmax_online, batch-1 bmms into
+    unsqueeze(mm(squeeze, squeeze), 0) (bmm_to_mm: at B = 1, T = 1 the indexer's and the attention's)
+    and, where a benchmark says so, pads bmms off the alignment (pad_mm): all forced here on CPU (the
+    compressor's softmax kept, see OnlineSoftmaxOnCpu; every bmm off the alignment padded). At B = 1
+    every site still matches in the decode and the verify graph (the indexer's top-k readers among
+    them: the attention over the selection as mms, padded, with the online softmax), and the steps
+    equal the uncompiled ones."""
     online = OnlineSoftmaxOnCpu(monkeypatch, keep_files=("compressor.py",))
-    BmmToMmOnCpu(monkeypatch)
+    bmm_to_mm = BmmToMmOnCpu(monkeypatch)
     padding = PadBmmAsInductorOnCuda()
     prompts, expected = reference
     torch._dynamo.reset()
     with torch._inductor.config.patch(force_disable_caches=True, post_grad_custom_pre_pass=padding):
-        engine = dsv4_compile.optimize(model, max_batch=4, max_context=256, verify_tokens=3)
+        engine = dsv4_compile.optimize(model, max_batch=1, max_context=256, verify_tokens=3)
         recorder = StepRecorder(engine.compiled_step)
         engine.compiled_step = recorder
-        assert engine.generate(prompts, 3) == [e[:3] for e in expected]
-        assert engine.generate(prompts, 3, draft=lambda tokens: tokens[-3:]) == [e[:3] for e in expected]
+        assert engine.generate(prompts[:1], 3) == [expected[0][:3]]
+        assert engine.generate(prompts[:1], 3, draft=lambda tokens: tokens[-3:]) == [expected[0][:3]]
+    assert bmm_to_mm.rewrites >= CSA_LAYERS + 2 * LAYERS
     assert online.rewrites >= 2 * LAYERS  # each graph's attention softmaxes, at least
     assert padding.padded > 0
+    assert {ids.shape for ids, *_ in recorder.calls} == {(1, 1), (1, 4)}
     for graph in ("T=1", "T=4"):
         for name, sites in EXPECTED_SITES.items():
             assert engine.report.count(name, graph) == sites, (name, graph, engine.report.format())
-    eager = dsv4_compile.optimize(model, max_batch=4, max_context=256, verify_tokens=3, compile=False)
-    eager.generate(prompts, 1)
+    eager = dsv4_compile.optimize(model, max_batch=1, max_context=256, verify_tokens=3, compile=False)
+    eager.generate(prompts[:1], 1)
     _assert_steps_match(recorder, eager.module)
