@@ -53,6 +53,11 @@ def triton_runs_on(t: torch.Tensor) -> bool:
     return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def device_capability(t: torch.Tensor) -> tuple[int, int] | None:
+    """The compute capability of `t`'s CUDA device, None off CUDA."""
+    return tuple(torch.cuda.get_device_capability(t.device)) if t.is_cuda else None
+
+
 def set_pdl(enabled: bool) -> None:
     """Turns programmatic dependent launch between the ops' kernels on or off for launches from now
     on (benches compare both; a captured CUDA graph keeps what it was captured with)."""

@@ -45,8 +45,8 @@ import triton.language as tl
 from dsv4_compile.fp4 import dequantize_mxfp4, dequantize_nvfp4
 from dsv4_compile.fp4_tiles import TILE_COLS, TILE_ROWS, is_tiled, logical_shape, untile_fp4
 
-from ._runtime import (MAX_GRID_Y, await_count, count_done, pdl_launch, release_in_mode, triton_runs_on,
-                       wait_for_producers, wait_without_release)
+from ._runtime import (MAX_GRID_Y, await_count, count_done, device_capability, pdl_launch, release_in_mode,
+                       triton_runs_on, wait_for_producers, wait_without_release)
 from .moe_pairs import block_bound, combine_pairs_triton, expert_blocks
 
 logger = logging.getLogger("dsv4_compile")
@@ -1159,7 +1159,8 @@ def native_fp4_dot(x: torch.Tensor, fmt: str) -> bool:
     sm_120. On sm_120 that is the instruction the mma path's one-warp tiles use on the H200 too, where
     the mma path beat GEMV by 17-26% at M=1 and 8 (bench/RESULTS.md, sixth session), so sm_120 takes
     the mma path (not timed on sm_120); sm_100 keeps tl.dot_scaled (not timed either)."""
-    return fmt == "mxfp4" and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] == 10
+    capability = device_capability(x)
+    return fmt == "mxfp4" and capability is not None and capability[0] == 10
 
 
 MIN_REG_CAP, MAX_REG_CAP = 24, 255  # what ptxas accepts as a thread's register cap
@@ -1348,7 +1349,7 @@ def size_class(pairs: int, experts: int, fmt: str, native_fp4: bool = False, mma
 
 def takes_sm90_configs(x: torch.Tensor) -> bool:
     """Whether launches on x's device take DEFAULT_CONFIGS unchanged: on sm_90, and under the interpreter."""
-    return not x.is_cuda or tuple(torch.cuda.get_device_capability(x.device)) == (9, 0)
+    return device_capability(x) in (None, (9, 0))
 
 
 def choose_config(pairs: int, experts: int, fmt: str, native_fp4: bool = False,

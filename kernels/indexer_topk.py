@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4_compile.kernels._runtime import triton_runs_on
+from dsv4_compile.kernels._runtime import device_capability, triton_runs_on
 from dsv4_compile.kernels.topk_select import (DEFAULT_CHUNK, DEFAULT_SELECT_WARPS,
                                               DEFAULT_SPLIT_BLOCK, select_topk_triton)
 
@@ -368,11 +368,6 @@ def fp8_score_register_cap(capability: tuple[int, int] | None, warps: int) -> in
     return FP8_SCORE_MAX_REGS.get(capability, {}).get(warps, 0)
 
 
-def _capability(t: torch.Tensor) -> tuple[int, int] | None:
-    """The compute capability of `t`'s CUDA device, None off CUDA."""
-    return tuple(torch.cuda.get_device_capability(t.device)) if t.is_cuda else None
-
-
 def default_splits(batch: int, max_pages: int, device: torch.device) -> int:
     """Programs per request in the scoring grid: about 16 per SM over the batch (measured on
     the H200: more programs keep more key pages in flight)."""
@@ -428,7 +423,7 @@ def indexer_scores_triton(
     fp8 = dot_dtype == tl.float8e4nv
     stages = num_stages or (FP8_SCORE_STAGES if fp8 else 2)
     if max_regs is None:
-        max_regs = fp8_score_register_cap(_capability(q), warps) if fp8 else 0
+        max_regs = fp8_score_register_cap(device_capability(q), warps) if fp8 else 0
     has_scale = k_scale is not None
     ks = k_scale if has_scale else k_cache  # unused pointer when there is no scale
     ks_strides = (k_scale.stride(0), k_scale.stride(1)) if has_scale else (0, 0)

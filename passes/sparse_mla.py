@@ -150,7 +150,7 @@ def _is_full_of(node, value: float) -> bool:
     return fill == value or (math.isnan(value) and math.isnan(fill))
 
 
-def _reduces_last(node: Node, keepdim_required: bool = False) -> bool:
+def _reduces_last(node: Node) -> bool:
     dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
     dims = [dims] if isinstance(dims, int) else list(dims or [])
     rank = len(_shape(node.args[0]))

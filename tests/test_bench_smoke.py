@@ -144,7 +144,7 @@ print("module", mod.__file__)
 launches = []
 mod._score_pages_kernel = launch_recorder(mod._score_pages_kernel, launches)
 mod._dot_dtype = lambda q, k_cache: (tl.float8e4nv, None)  # fp8 dots, as on a GPU
-mod._capability = lambda q: (9, 0)  # planned as on the H200: a register cap of 72
+mod.device_capability = lambda q: (9, 0)  # planned as on the H200: a register cap of 72
 fp8 = torch.float8_e4m3fn
 mod.indexer_scores_triton(torch.zeros(64, 1, 64, 128).to(fp8), torch.zeros(64, 1, 64), torch.zeros(8, 64, 128).to(fp8),
                           torch.ones(8, 64), torch.zeros(64, 2048, dtype=torch.int32),

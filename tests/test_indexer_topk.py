@@ -298,7 +298,7 @@ def test_fp8_scoring_compiles_for_small_head_dims():
 _FP8_SCORING_REGISTERS = _FP8_SCORING_LAUNCHES + """
 fp8 = torch.float8_e4m3fn
 for cap in (90, 120):
-    mod._capability = lambda q: (cap // 10, cap % 10)  # the launcher's plan on that GPU
+    mod.device_capability = lambda q: (cap // 10, cap % 10)  # the launcher's plan on that GPU
     for tokens in (1, 4):
         launches.clear()
         batch, heads, dim = 64, 64, 128
