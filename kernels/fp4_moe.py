@@ -1188,8 +1188,7 @@ class TileConfig:
     (mma path with prefetch, expert blocks, no split-K): each down program waits for its own block's
     gate/up programs (ready counts, `_down_mma_kernel`'s READY) instead of the whole gate/up grid;
     taken where the down kernel launches early (EARLY) and under the interpreter, where a wrong count
-    shows as NaN outputs. Not yet a default: it has not been timed on a GPU (bench/RESULTS.md,
-    twenty-eighth session).
+    shows as NaN outputs. On by default for MXFP4 only (READY_COUNTS_FORMATS).
     """
 
     path: str
@@ -1317,12 +1316,17 @@ DEFAULT_CONFIGS = {
     "mma_few": TileConfig("mma", 8, 16, 128, num_warps=1, num_stages=1, prefetch=True, down_block_n=128,
                           down_num_warps=4, direct_blocks=True),
     "mma_small": TileConfig("mma", 8, 16, 128, num_warps=1, num_stages=1, prefetch=True, down_block_n=128,
-                            down_num_warps=4),
+                            down_num_warps=4, ready_counts=True),
     "mma": TileConfig("mma", 8, 32, 128, num_warps=1, num_stages=1, prefetch=True, down_block_n=128,
-                      down_num_warps=4, scale_asm=True, max_regs=160),
+                      down_num_warps=4, scale_asm=True, max_regs=160, ready_counts=True),
     "dot16": TileConfig("dot", 16, 64, 128, num_warps=4, num_stages=2),
     "dot64": TileConfig("dot", 64, 64, 128, num_warps=4, num_stages=2),
 }
+# The formats whose down kernels wait on their own block's ready counts (TileConfig.ready_counts) where
+# the default config has them. Timed paired on the H200 (tiled experts, PDL; RESULTS.md "Thirtieth
+# session"): MXFP4 -7.6 / -10.2 / -18.2 us at M=8 / 64 / 256 and the B=64 T=1 step -31 us of 3,748
+# (logits bit-equal); NVFP4 -2.3 / +6.3 / +13.1 us, so NVFP4 waits for the whole gate/up grid.
+READY_COUNTS_FORMATS = ("mxfp4",)
 # The configs that differ off sm_90, where tl.dot has no wgmma (the H200 chose DEFAULT_CONFIGS with it).
 # The dot path's 64-row class on 128-column K steps, cross-compiled at K=4096, I=2048 (twenty-ninth
 # session), spills on sm_120 (gate/up 628 B MXFP4 / 188 B NVFP4 dequantised, 44 B with tl.dot_scaled;
@@ -1355,9 +1359,13 @@ def takes_sm90_configs(x: torch.Tensor) -> bool:
 def choose_config(pairs: int, experts: int, fmt: str, native_fp4: bool = False,
                   mma_fits: bool = True, sm90: bool = True) -> TileConfig:
     """The launch configuration for M*k = `pairs` pairs over `experts` experts (see size_class);
-    `sm90`: the GPU is sm_90 (or the interpreter runs the kernels), else OFF_SM90_CONFIGS apply."""
+    `sm90`: the GPU is sm_90 (or the interpreter runs the kernels), else OFF_SM90_CONFIGS apply; ready
+    counts only for READY_COUNTS_FORMATS."""
     name = size_class(pairs, experts, fmt, native_fp4, mma_fits)
-    return DEFAULT_CONFIGS[name] if sm90 else OFF_SM90_CONFIGS.get(name, DEFAULT_CONFIGS[name])
+    config = DEFAULT_CONFIGS[name] if sm90 else OFF_SM90_CONFIGS.get(name, DEFAULT_CONFIGS[name])
+    if config.ready_counts and fmt not in READY_COUNTS_FORMATS:
+        config = dataclasses.replace(config, ready_counts=False)
+    return config
 
 
 # The mma path applies a ue8m0 scale as a bf16 factor scale * 2**62 (MMA path comment), finite up to

@@ -83,14 +83,14 @@ x = torch.zeros(2, 256, dtype=torch.bfloat16)
 w13, w2 = torch.zeros(2, 256, 128, dtype=torch.uint8), torch.zeros(2, 256, 64, dtype=torch.uint8)
 s13, s2 = torch.zeros(2, 256, 8, dtype=torch.uint8), torch.zeros(2, 256, 4, dtype=torch.uint8)
 ids = torch.zeros(2, 6, dtype=torch.int32)
-for config in (moe.DEFAULT_CONFIGS["mma_token"], moe.DEFAULT_CONFIGS["mma"],
+for config in (moe.DEFAULT_CONFIGS["mma_token"], dataclasses.replace(moe.DEFAULT_CONFIGS["mma"], ready_counts=False),
                dataclasses.replace(moe.DEFAULT_CONFIGS["mma"], ready_counts=True)):
     pairs = moe.fp4_moe_pairs_triton(x, ids, torch.ones(2, 6), w13, s13, w2, s2, "mxfp4", None, None, None,
                                      config=config)
 # down codes at a misaligned address: the launcher copies them, and the down kernel then waits first
 odd = torch.zeros(2 * 256 * 64 + 1, dtype=torch.uint8)[1:].view(2, 256, 64)
 moe.fp4_moe_pairs_triton(x, ids, torch.ones(2, 6), w13, s13, odd, s2, "mxfp4", None, None, None,
-                         config=moe.DEFAULT_CONFIGS["mma"])
+                         config=dataclasses.replace(moe.DEFAULT_CONFIGS["mma"], ready_counts=False))
 moe_pairs.combine_pairs_triton(pairs, ids, 2, torch.bfloat16)
 # the indexer: scoring, then the three selection kernels
 q = torch.zeros(1, 1, 4, 32)
@@ -167,7 +167,7 @@ def test_each_kernel_takes_its_pdl_mode_and_compiles_it():
         ("_gate_up_mma_kernel", "True", "2,count=True"): {(cap, "1", "1", "False", "1/0", "True")
                                                           for cap in ("90", "120")},
         ("_swiglu_partials_kernel", "True", "2"): wait_release,
-        # without ready counts (after the split sums, or the 32-row class's default): a wait (and
+        # without ready counts (after the split sums, or the 32-row class without them): a wait (and
         # release) on each path, before the hidden rows or before leaving an empty block
         ("_down_mma_kernel", "True", "2,early=True,ready=0"): {(cap, "2", "2", "True", "0/0", "-")
                                                                 for cap in ("90", "120")},
