@@ -369,12 +369,12 @@ def _mma(block_m, block_n, block_k, warps, stages, prefetch=False, down=(0, 0), 
 # turn, each loaded a step ahead into registers (BLOCK_K 64 or 128, fewer weight rows for fewer
 # registers), beside the plain loop with 256-column steps (the verify default). 78 (config, M,
 # format) rows: some 2-3 minutes on the H200 with compiles. `ready`: the down kernel's per-block
-# ready counts instead of its wait for the whole gate/up grid (TileConfig.ready_counts; not yet
-# timed; at M=8 also with 32 gate/up columns a program, half the programs, whose last wave the down
-# programs could then fill). At M=256 (six pairs an expert) 8-pair blocks read and decode the ~15% of
+# ready counts instead of its wait for the whole gate/up grid (TileConfig.ready_counts; the MXFP4
+# default since the thirtieth session; at M=8 also with 32 gate/up columns a program, half the programs,
+# which lost to 16). At M=256 (six pairs an expert) 8-pair blocks read and decode the ~15% of
 # experts with more than 8 pairs twice; 16-pair blocks on 128-column K steps needed 168-255 registers
-# and lost (twenty-fourth session), so they are timed again on 64-column steps: 134 / 132 registers for
-# gate/up / down cross-compiled for sm_90, no spills (twenty-eighth session, not yet timed). `down` gives the down kernel output columns and warps of its own: in the eleventh session's
+# and lost (twenty-fourth session), and on 64-column steps (134 / 132 registers, no spills) lost by
+# 245-287 us (thirtieth session). `down` gives the down kernel output columns and warps of its own: in the eleventh session's
 # B=64 step, gate/up on 16 rows and down on 64 rows and 2 warps took 126 us less kernel time a step
 # (its step time did not follow; bench/RESULTS.md). `asm`: the scale
 # words by inline-asm loads (TileConfig.scale_asm; the default at 32 rows). `caps`: register caps of
@@ -409,8 +409,7 @@ SWEEP_CANDIDATES = {
           _mma(8, 16, 128, 1, 1, True), _mma(8, 32, 128, 1, 1, True, down=(128, 4)),
           _mma(8, 32, 128, 1, 1, True, down=(128, 4), asm=True, caps=(160, 0)),
           _mma(8, 16, 128, 1, 1, True, down=(128, 4)), _mma(8, 16, 128, 1, 1, True, down=(128, 4), ready=True),
-          _mma(8, 32, 128, 1, 1, True, down=(128, 4), asm=True, caps=(160, 0), ready=True),
-          _mma(16, 16, 64, 1, 1, True, down=(128, 4)), _mma(16, 16, 64, 1, 1, True, down=(128, 4), ready=True)],
+          _mma(8, 32, 128, 1, 1, True, down=(128, 4), asm=True, caps=(160, 0), ready=True)],
 }
 
 

@@ -147,19 +147,24 @@ FORCED_CONFIGS = {
     # one block a pair, read from the ids (-1 ids, and at M=64 every pair on one expert)
     "mma_direct": fp4_moe.TileConfig("mma", 8, 16, 128, num_warps=1, num_stages=1, prefetch=True, k_splits=2,
                                      direct_blocks=True),
-    # the 32-row class's down kernel waiting on per-block ready counts instead of the whole gate/up grid
+    # the down kernel waiting on per-block ready counts instead of the whole gate/up grid, for both
+    # formats (the defaults take them for MXFP4 only): the 32-row class and the 16-column class (M=8, 64)
     "mma_ready": dataclasses.replace(fp4_moe.DEFAULT_CONFIGS["mma"], ready_counts=True),
+    "mma_small_ready": dataclasses.replace(fp4_moe.DEFAULT_CONFIGS["mma_small"], ready_counts=True),
 }
 # On the tiled experts optimize() gives the model (dsv4_compile.fp4_tiles): the default launch and one
 # config of each path (the dot path's prefill tile among them), whose loads all address tiles.
 TILED_FORCED = ("prefetch", "mma_prefetch", "mma_down_shape", "mma_scale_asm", "mma_split", "mma_direct", "mma_ready",
-                "dot64")
+                "mma_small_ready", "dot64")
 
 
-def fp4_moe_cases(gen: torch.Generator) -> None:
+def fp4_moe_cases(gen: torch.Generator, configs: set[str] | None = None) -> None:
     """V4-Flash experts (E=256, K=4096, I=2048), top-6, both formats; M in {1, 64, 256};
     -1 ids and, at M=64, every pair on one expert. Each case runs the op (its default launch)
-    and each of FORCED_CONFIGS, on row-major experts, and TILED_FORCED on tiled ones."""
+    and each of FORCED_CONFIGS, on row-major experts, and TILED_FORCED on tiled ones; `configs`
+    keeps only those names of FORCED_CONFIGS and TILED_FORCED (the default launches always run)."""
+    forced = {n: c for n, c in FORCED_CONFIGS.items() if configs is None or n in configs}
+    tiled_forced = [n for n in TILED_FORCED if configs is None or n in configs]
     for fmt in ("mxfp4", "nvfp4"):
         weights = bench_fp4_moe.random_experts(fmt, 256, 4096, 2048, DEVICE, gen)
         tiled = bench_fp4_moe.tiled_experts(weights)
@@ -175,7 +180,7 @@ def fp4_moe_cases(gen: torch.Generator) -> None:
             ref = fp4_moe.fp4_moe_reference(*args)
             scale = ref.float().abs().max().item()
             outs = {"default": fp4_moe.fp4_moe(*args)}
-            for name, config in FORCED_CONFIGS.items():
+            for name, config in forced.items():
                 pairs = fp4_moe.fp4_moe_pairs_triton(*args, config=config)
                 outs[name] = combine_pairs(pairs, ids, 256, x.dtype)
             tiled_args = bench_fp4_moe.op_args(x, ids, topk_weights, tiled)
@@ -191,7 +196,7 @@ def fp4_moe_cases(gen: torch.Generator) -> None:
                 assert full_err <= 2 ** -7 * max(full_scale, 1.0), f"fp4_moe {fmt} full block table err {full_err}"
                 print(f"fp4_moe {fmt} M={tokens} tiled default, full block table: ok (max abs err {full_err:.2e})",
                       flush=True)
-            for name in TILED_FORCED:
+            for name in tiled_forced:
                 config = FORCED_CONFIGS.get(name) or fp4_moe.DEFAULT_CONFIGS[name]
                 pairs = fp4_moe.fp4_moe_pairs_triton(*tiled_args, config=config)
                 outs[f"tiled {name}"] = combine_pairs(pairs, ids, 256, x.dtype)
@@ -318,14 +323,25 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default=",".join(CASES),
                         help=f"comma list of case groups to run (default all: {','.join(CASES)})")
-    groups = [g.strip() for g in parser.parse_args().only.split(",") if g.strip()]
+    parser.add_argument("--fp4-configs", default=None,
+                        help=f"comma list: fp4_moe runs only these forced configs beside its default launches "
+                             f"(default all: {','.join(FORCED_CONFIGS)}, dot64)")
+    args = parser.parse_args()
+    groups = [g.strip() for g in args.only.split(",") if g.strip()]
     unknown = set(groups) - set(CASES)
     if unknown:
         parser.error(f"--only takes {sorted(CASES)}; got {sorted(unknown)}")
+    fp4_configs = None if args.fp4_configs is None else {c.strip() for c in args.fp4_configs.split(",") if c.strip()}
+    if fp4_configs is not None and fp4_configs - set(FORCED_CONFIGS) - set(TILED_FORCED):
+        parser.error(f"--fp4-configs takes {sorted(set(FORCED_CONFIGS) | set(TILED_FORCED))}; "
+                     f"got {sorted(fp4_configs - set(FORCED_CONFIGS) - set(TILED_FORCED))}")
     started = time.monotonic()
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     for group in groups:
-        CASES[group](gen)
+        if group == "fp4_moe":
+            fp4_moe_cases(gen, fp4_configs)
+        else:
+            CASES[group](gen)
     print(f"all kernels ran in {math.ceil(time.monotonic() - started)} s", flush=True)
     return 0
 
