@@ -53,6 +53,11 @@ _ACT_OPS = _VIEWS | {aten.clamp_max.default, aten.clamp_min.default, aten.clamp.
                      aten.exp.default, aten.add.Tensor, aten.div.Tensor, aten.mul.Tensor, aten.sigmoid.default,
                      aten.silu.default, aten.reciprocal.default}
 
+# The probe's block of each gathered expert: its leading rows and columns (two tiles each way in the
+# tiled layout, several scale groups) and the choices of the first tokens; of the pairs' activations
+# and products, the first tokens' pairs and the leading columns.
+_PROBE_ROWS, _PROBE_COLS, _PROBE_TOKENS = 64, 256, 2
+
 
 def _val(node) -> torch.Tensor | None:
     return node.meta.get("val") if isinstance(node, Node) else None
@@ -64,14 +69,79 @@ def _strip(node: Node) -> Node:
     return node
 
 
-def _in_row_order(node: Node, what: str) -> Node:
+def _in_row_order(node: Node, what: str, experts: int | None = None) -> Node:
     """The [M, k] tensor (top-k ids or weights) that `node` reads through views and dtype conversions
-    that keep its row-major order, the order of the op's (m, j) pairs; declines otherwise."""
+    that keep its row-major order, the order of the op's (m, j) pairs; declines otherwise. With
+    `experts` (ids), each dtype on the way must hold every id up to experts - 1 exactly."""
     while isinstance(node, Node) and node.target in _VIEWS:
         if node.target not in _ORDER_KEEPING:
             raise _Decline(f"the {what} are read through {node.target} (not in their [M, k] order)")
+        dtype = _val(node).dtype if isinstance(_val(node), torch.Tensor) else None
+        if experts is not None and not _holds_ids(dtype, experts):
+            raise _Decline(f"the {what} are converted to {dtype}, which does not hold ids up to {experts - 1}")
         node = node.args[0]
     return node
+
+
+def _holds_ids(dtype: torch.dtype | None, experts: int) -> bool:
+    """Whether `dtype` represents every integer in [0, experts) exactly."""
+    if dtype is None or dtype == torch.bool or dtype.is_complex:
+        return False
+    if dtype.is_floating_point:  # integers are exact up to 2 / eps (2**24 in f32, 256 in bf16)
+        return experts - 1 <= min(2 / torch.finfo(dtype).eps, torch.finfo(dtype).max)
+    return experts - 1 <= torch.iinfo(dtype).max
+
+
+def _chain(start: Node, end: Node) -> list[Node]:
+    """The nodes that compute `end` from `start`, in graph order (`start` excluded)."""
+    region = _ancestors(end, {start})
+    return [n for n in end.graph.nodes if n in region]
+
+
+def _run_chain(start: Node, end: Node, probe: torch.Tensor, what: str) -> torch.Tensor:
+    """`end` computed from a probe value (a leading block) of `start`; declines where it cannot be."""
+    try:
+        return run_region(_chain(start, end), {start: probe})[end]
+    except ReadsOutside:
+        raise _Decline(f"{what} read tensors other than their own input") from None
+    except NoProbe as why:
+        raise _Decline(f"{what} cannot be run on probe values ({why})") from None
+
+
+def _pair_block(node: Node, tokens: int, top_k: int) -> tuple[int, ...]:
+    """The probe block of a [M * k, ...] value: the pairs of the first tokens, every other dim whole."""
+    return (top_k * min(tokens, _PROBE_TOKENS), *_val(node).shape[1:])
+
+
+def _check_pair_inputs(x: Node, mat2: Node, top_k: int) -> None:
+    """Runs the views from x [M, K] to the gate/up GEMM's activation operand on probe values (every
+    token, the leading columns), and declines unless pair m * k + j reads token m's row: the op's
+    pairing, which broadcasts that reorder the tokens (x[None] against [M, k] with M == k) break."""
+    if not (_static(x) and _static(mat2)):
+        return  # symbolic sizes: no probe values
+    tokens, hidden = _val(x).shape
+    gen = torch.Generator().manual_seed(1)
+    probe = torch.randn(tokens, min(hidden, _PROBE_COLS), generator=gen).to(_val(x).dtype)
+    got = _run_chain(x, mat2, probe, "the activations of the pairs")
+    want = probe.repeat_interleave(top_k, 0).to(got.dtype)
+    if got.numel() != want.numel() or not torch.equal(got.reshape(want.shape), want):
+        raise _Decline("the gate/up GEMM's pairs do not read their own token's x (probe values differ)")
+
+
+def _check_pair_outputs(out: Node, operand: Node, tokens: int, top_k: int, hidden: int) -> None:
+    """Runs the views from the down GEMM's output [M * k, K, 1] to the summed operand on probe values,
+    and declines unless the operand is [M, k, K] with pair m * k + j at [m, j]."""
+    if tuple(_val(operand).shape) != (tokens, top_k, hidden):
+        raise _Decline("the down products under the sum are not [M, k, K]")
+    if not (_static(out) and _static(operand)):
+        return
+    block = list(_pair_block(out, tokens, top_k))
+    block[1] = min(block[1], _PROBE_COLS)
+    probe = torch.randn(block, generator=torch.Generator().manual_seed(2)).to(_val(out).dtype)
+    got = _run_chain(out, operand, probe, "the down products")
+    want = probe.reshape(-1, top_k, block[1]).to(got.dtype)
+    if got.shape != want.shape or not torch.equal(got, want):
+        raise _Decline("the down products are not summed in the op's (m, j) order (probe values differ)")
 
 
 def _ancestors(node: Node, stop: set[Node]) -> set[Node]:
@@ -147,11 +217,6 @@ def _expert_weights(region: set[Node], hidden: int, first: bool):
     if dtype == torch.float8_e4m3fn and groups * 16 == cols and len(globs) == 1:
         return "nvfp4", packed[0].args[0], scale, globs[0].args[0], ids
     raise _Decline(f"scale {dtype} x{groups} for {cols} columns is neither mxfp4 nor nvfp4")
-
-
-# The probe's block of each gathered expert: its leading rows and columns (two tiles each way in the
-# tiled layout, several scale groups) and the choices of the first tokens.
-_PROBE_ROWS, _PROBE_COLS, _PROBE_TOKENS = 64, 256, 2
 
 
 def _check_dequant(out: Node, region: set[Node], fmt: str, packed: Node, scale: Node, glob: Node | None,
@@ -244,6 +309,7 @@ def _match(anchor: Node) -> dict:
     others = [a for a, s in zip(weighted.args, sides) if s is not bmm2]
     if bmm2 is None or len(others) != 1:
         raise _Decline("no bmm times routing weights under the sum")
+    operand = next(a for a, s in zip(weighted.args, sides) if s is bmm2)
     routing = _in_row_order(others[0], "routing weights")
     if _val(routing) is None or not _val(routing).is_floating_point():
         raise _Decline("no bmm times routing weights under the sum")
@@ -274,8 +340,6 @@ def _match(anchor: Node) -> dict:
             raise _Decline("swiglu clamp is not gate <= L and |up| <= L")
     else:
         raise _Decline(f"clamps {upper} / {lower} are not a symmetric swiglu limit")
-    with torch.no_grad():
-        _check_activation(split, act, act_region, limit)
     w13_side, x_side = bmm1.mat1, bmm1.mat2
     x = x_side
     while x.target in _VIEWS and tuple(_val(x).shape) != (tokens, hidden):
@@ -285,50 +349,48 @@ def _match(anchor: Node) -> dict:
     w13_region, w2_region = _weight_region(w13_side, {x}), _weight_region(w2_side, {act})
     fmt, w13, s13, g13, ids = _expert_weights(w13_region, hidden, first=True)
     fmt2, w2, s2, g2, ids2 = _expert_weights(w2_region, hidden, first=False)
-    topk_ids = _in_row_order(ids, "expert ids")
-    if fmt2 != fmt or _in_row_order(ids2, "expert ids") is not topk_ids:
+    experts = logical_shape(_val(w13))[0]
+    topk_ids = _in_row_order(ids, "expert ids", experts)
+    if fmt2 != fmt or _in_row_order(ids2, "expert ids", experts) is not topk_ids:
         raise _Decline("gate/up and down experts differ in format or ids")
+    if _val(topk_ids).ndim != 2 or _val(topk_ids).shape[0] != tokens or _val(routing).shape != _val(topk_ids).shape:
+        raise _Decline("ids/routing weights are not [M, k]")
+    top_k = _val(topk_ids).shape[1]
     with torch.no_grad():
         _check_dequant(w13_side, w13_region, fmt, w13, s13, g13, ids)
         _check_dequant(w2_side, w2_region, fmt, w2, s2, g2, ids2)
-    if _val(topk_ids).ndim != 2 or _val(topk_ids).shape[0] != tokens or _val(routing).shape != _val(topk_ids).shape:
-        raise _Decline("ids/routing weights are not [M, k]")
+        _check_pair_inputs(x, x_side, top_k)
+        _check_activation(bmm1.out, h_side, limit, tokens, top_k)
+        _check_pair_outputs(bmm2.out, operand, tokens, top_k, hidden)
     if x.meta["val"].dtype != out_val.dtype:
         raise _Decline("output dtype differs from x dtype")
     return dict(x=x, ids=topk_ids, weights=routing, w13=w13, s13=s13, w2=w2, s2=s2, fmt=fmt, g13=g13, g2=g2,
                 limit=limit)
 
 
-def _check_activation(split: Node, act: Node, region: set[Node], limit: float | None) -> None:
-    """Runs the activation region (`split` of the gate/up product to `act`) on probe values that
-    reach past the clamp on both sides, and declines unless it computes the op's SwiGLU: silu of
-    the first half (clamped at limit) times the second (clamped to [-limit, limit]). The op-kind
-    checks alone let a swapped gate and up, a sigmoid gate or an extra factor through."""
-    source = _val(split.args[0])
-    if source is None or not all(isinstance(d, int) for d in source.shape):
+def _check_activation(gate_up: Node, hidden: Node, limit: float | None, tokens: int, top_k: int) -> None:
+    """Runs the path from the gate/up GEMM's output [M * k, 2I, 1] to the down GEMM's operand
+    [M * k, I, 1] on probe values of the first tokens' pairs that reach past the clamp on both sides,
+    and declines unless each pair's operand is the op's SwiGLU of its own gate/up rows: silu of rows
+    [0, I) (clamped at limit) times rows [I, 2I) (clamped to [-limit, limit]). The op-kind checks
+    alone let a swapped gate and up, a sigmoid gate, an extra factor or pairs in another order through."""
+    if not (_static(gate_up) and _static(hidden)):
         return  # symbolic sizes: no probe values (the op-kind checks stand)
-    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
-    size = source.shape[dim]
-    sizes = split.args[1]
-    halves = [sizes, sizes] if isinstance(sizes, int) else list(sizes)
-    if size % 2 or halves != [size // 2, size // 2]:
-        raise _Decline("the gate/up split is not two halves")
+    block = _pair_block(gate_up, tokens, top_k)
     bound = 4.0 if limit is None else 2.0 * limit
     gen = torch.Generator().manual_seed(0)
-    probe = ((torch.rand(source.shape, generator=gen) * 2 - 1) * bound).to(source.dtype)
-    try:
-        got = run_region([split] + [n for n in split.graph.nodes if n in region], {split.args[0]: probe})[act]
-    except ReadsOutside:
-        raise _Decline("the activation reads tensors other than the gate/up product") from None
-    gate, up = probe.float().split(size // 2, dim)
+    probe = ((torch.rand(block, generator=gen) * 2 - 1) * bound).to(_val(gate_up).dtype)
+    got = _run_chain(gate_up, hidden, probe, "the activation")
+    gate, up = probe.float().reshape(block[0], -1).chunk(2, dim=1)
     if limit is not None:
         gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
     want = torch.nn.functional.silu(gate) * up
     got = got.float()
     # the activation's own dtype rounds (bf16: 2**-8 relative, a few roundings deep)
-    tolerance = 1e-5 if got.dtype == torch.float32 and _val(act).dtype == torch.float32 else 3e-2
-    if got.shape != want.shape or not torch.allclose(got, want, rtol=tolerance, atol=tolerance * bound):
-        raise _Decline("the activation is not silu(gate) * up of the gate/up halves (probe values differ)")
+    tolerance = 1e-5 if _val(gate_up).dtype == torch.float32 and _val(hidden).dtype == torch.float32 else 3e-2
+    if got.numel() != want.numel() or not torch.allclose(got.reshape(want.shape), want, rtol=tolerance,
+                                                         atol=tolerance * bound):
+        raise _Decline("the activation is not silu(gate) * up of each pair's gate/up halves (probe values differ)")
 
 
 def _splits_feeding(act: Node) -> list[Node]:

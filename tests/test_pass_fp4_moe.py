@@ -186,20 +186,27 @@ def _swiglu(gate, up, limit):
     return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
 
 
+def _same(t):
+    return t
+
+
 def _variant(activation=_swiglu, gate_up_weights=_dequantize, down_weights=_dequantize,
-             gather_index=torch.Tensor.long, routing_weights=lambda weights: weights):
+             gather_index=torch.Tensor.long, routing_weights=_same, token_rows=lambda x: x[:, None, :, None],
+             gate_up_order=_same, product_order=_same):
     """The MoE form with `activation(gate, up, limit)` in place of the clamped SwiGLU,
     `*_weights(packed, scale, glob, dtype)` dequantising the gathered experts, `gather_index(ids)`
-    the index of the gathers and `routing_weights(weights)` the weights of the sum."""
+    the index of the gathers, `routing_weights(weights)` the weights of the sum, `token_rows(x)` the
+    activations broadcast over the pairs, and `gate_up_order` / `product_order` applied to the [M, k, .]
+    gate/up products and down products."""
     def variant(x, ids, weights, w13, s13, w2, s2, fmt, g13, g2, limit):
         idx = gather_index(ids)
         g13, g2 = (None, None) if g13 is None else (g13[idx], g2[idx])
         gate_up_w = gate_up_weights(w13[idx], s13[idx], g13, x.dtype)
-        gate_up = torch.matmul(gate_up_w, x[:, None, :, None]).squeeze(-1)
+        gate_up = gate_up_order(torch.matmul(gate_up_w, token_rows(x)).squeeze(-1))
         gate, up = gate_up.chunk(2, dim=-1)
         hidden = activation(gate, up, limit)
-        out = torch.matmul(down_weights(w2[idx], s2[idx], g2, x.dtype), hidden.unsqueeze(-1))
-        return (out.squeeze(-1) * routing_weights(weights).unsqueeze(-1)).sum(dim=1)
+        out = product_order(torch.matmul(down_weights(w2[idx], s2[idx], g2, x.dtype), hidden.unsqueeze(-1)).squeeze(-1))
+        return (out * routing_weights(weights).unsqueeze(-1)).sum(dim=1)
     return variant
 
 
@@ -362,4 +369,42 @@ def test_transposed_topk_declined(variant, reason):
     got = compiled(*args)
     assert hook.rewrites == 0
     assert any(not r.matched and reason in r.reason for r in report.records), report.records
+    torch.testing.assert_close(got, variant(*args), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("variant, reason", [
+    (_variant(token_rows=lambda x: x[None, :, :, None]), "their own token's x"),
+    (_variant(gate_up_order=lambda t: t.transpose(0, 1)), "each pair's gate/up halves"),
+    (_variant(product_order=lambda t: t.transpose(0, 1)), "the op's (m, j) order"),
+], ids=["tokens", "gate/up products", "down products"])
+def test_pairs_in_another_order_declined(variant, reason):
+    """With M == k, x[None] broadcast over [M, k] pairs (m, j) with token j, and a transpose of the
+    [M, k, .] gate/up or down products pairs the experts of (m, j) with (j, m): the shapes are the op's,
+    only probe values of each pair tell."""
+    ids, weights = routing(TOP_K, seed=6)
+    args = (torch.randn(TOP_K, HIDDEN), ids, weights, *experts("mxfp4"), 5.0)
+    compiled, hook, report = compile_with_pass(variant)
+    got = compiled(*args)
+    assert hook.rewrites == 0
+    assert any(not r.matched and reason in r.reason for r in report.records), report.records
+    torch.testing.assert_close(got, variant(*args), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype, declined", [(torch.uint8, True), (torch.bfloat16, True), (torch.int16, False),
+                                             (torch.float32, False)])
+def test_ids_converted_to_a_dtype_that_loses_some_declined(dtype, declined):
+    """300 experts: ids converted to uint8 wrap past 255 and bf16 rounds ids past 256 in the graph, where
+    the op would read the right experts; int16 and f32 hold every id, and the site is rewritten."""
+    experts_count, gen = 300, torch.Generator().manual_seed(7)
+    (w13, s13), (w2, s2) = (fp4.quantize_mxfp4(torch.randn(experts_count, rows, cols, generator=gen) * 0.1)
+                            for rows, cols in ((2 * INTER, HIDDEN), (HIDDEN, INTER)))
+    ids = torch.randint(257, experts_count, (3, TOP_K), generator=gen, dtype=torch.int32)
+    weights = torch.rand(3, TOP_K, generator=gen) + 0.1
+    variant = _variant(gather_index=lambda i: i.to(dtype).long())
+    args = (torch.randn(3, HIDDEN, generator=gen), ids, weights, w13, s13, w2, s2, "mxfp4", None, None, 5.0)
+    compiled, hook, report = compile_with_pass(variant)
+    got = compiled(*args)
+    assert hook.rewrites == (0 if declined else 1)
+    if declined:
+        assert any(not r.matched and f"converted to {dtype}" in r.reason for r in report.records), report.records
     torch.testing.assert_close(got, variant(*args), rtol=1e-4, atol=1e-4)
