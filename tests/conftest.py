@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile(
-    "ci", max_examples=15, deadline=None, derandomize=True,
+    "ci", max_examples=10, deadline=None, derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.register_profile(
