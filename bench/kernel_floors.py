@@ -119,7 +119,7 @@ def sm120_stats(compiled) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from bench_sparse_mla import ptxas_stats
+    from bench.bench_sparse_mla import ptxas_stats
 
     meta = compiled.metadata
     options = {key: getattr(meta, key) for key in ("num_warps", "num_stages", "num_ctas", "maxnreg")

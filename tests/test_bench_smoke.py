@@ -36,8 +36,7 @@ def test_smoke_mode_runs_every_case_and_the_variants_agree(tmp_path):
         assert all(check["finite"] for check in case["check"].values())
         assert set(case["us"]) == set(case["check"])
     ran = {(c["B"], c["T"]): set(c["check"]) for c in cases}
-    assert ran[(2, 1)] == {"eager", "compile_default", "optimize"}
-    assert ran[(2, 4)] == {"eager", "optimize"}
+    assert ran[(2, 1)] == ran[(2, 4)] == {"eager", "optimize"}
     assert ran[(1, 1)] == ran[(1, 4)] == {"eager"}
     first_context = results["meta"]["contexts"][0]
     for case in cases:  # optimize() is also timed on GPU inputs and as its bare compiled_step (smoke: first context)
@@ -136,9 +135,9 @@ def test_breakdown_table_reports_gpu_idle_only_where_profiled():
 
 _SM120_RECOMPILE = """
 import sys, torch, triton.language as tl
-sys.path[:0] = ["bench"]
-import kernel_floors
-from bench_sparse_mla import compiled_stats, cross_compile, launch_recorder
+sys.path[:0] = ["."]  # bench as a package, as `python -m bench` imports it (its __init__ drops "." again)
+from bench import kernel_floors
+from bench.bench_sparse_mla import compiled_stats, cross_compile, launch_recorder
 from dsv4_compile.kernels import indexer_topk as mod
 print("module", mod.__file__)
 launches = []

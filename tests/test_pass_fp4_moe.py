@@ -358,30 +358,16 @@ def test_errors_inside_the_probe_propagate(monkeypatch):
 @pytest.mark.parametrize("variant, reason", [
     (_variant(gather_index=lambda ids: ids.long().t()), "expert ids are read through"),
     (_variant(routing_weights=torch.Tensor.t), "routing weights are read through"),
-], ids=["ids", "routing weights"])
-def test_transposed_topk_declined(variant, reason):
-    """Gathers by ids.t() pair token m with the experts of ids[:, m], and weights.t() weigh its
-    choice j by weights[j, m]; with M == k the shapes are those of the op's [M, k], and only the
-    layout tells."""
-    ids, weights = routing(TOP_K, seed=5)
-    args = (torch.randn(TOP_K, HIDDEN), ids, weights, *experts("mxfp4"), 5.0)
-    compiled, hook, report = compile_with_pass(variant)
-    got = compiled(*args)
-    assert hook.rewrites == 0
-    assert any(not r.matched and reason in r.reason for r in report.records), report.records
-    torch.testing.assert_close(got, variant(*args), rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("variant, reason", [
     (_variant(token_rows=lambda x: x[None, :, :, None]), "their own token's x"),
     (_variant(gate_up_order=lambda t: t.transpose(0, 1)), "each pair's gate/up halves"),
     (_variant(product_order=lambda t: t.transpose(0, 1)), "the op's (m, j) order"),
-], ids=["tokens", "gate/up products", "down products"])
+], ids=["ids", "routing weights", "tokens", "gate/up products", "down products"])
 def test_pairs_in_another_order_declined(variant, reason):
-    """With M == k, x[None] broadcast over [M, k] pairs (m, j) with token j, and a transpose of the
-    [M, k, .] gate/up or down products pairs the experts of (m, j) with (j, m): the shapes are the op's,
-    only probe values of each pair tell."""
-    ids, weights = routing(TOP_K, seed=6)
+    """With M == k the shapes are those of the op's [M, k] pairs, and only the layout tells: gathers by
+    ids.t() pair token m with the experts of ids[:, m], weights.t() weigh its choice j by weights[j, m],
+    x[None] broadcast over the pairs gives (m, j) token j, and a transpose of the [M, k, .] gate/up or
+    down products pairs the experts of (m, j) with (j, m)."""
+    ids, weights = routing(TOP_K, seed=5)
     args = (torch.randn(TOP_K, HIDDEN), ids, weights, *experts("mxfp4"), 5.0)
     compiled, hook, report = compile_with_pass(variant)
     got = compiled(*args)
