@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import sys
 import time
@@ -335,13 +336,11 @@ def main() -> int:
     if fp4_configs is not None and fp4_configs - set(FORCED_CONFIGS) - set(TILED_FORCED):
         parser.error(f"--fp4-configs takes {sorted(set(FORCED_CONFIGS) | set(TILED_FORCED))}; "
                      f"got {sorted(fp4_configs - set(FORCED_CONFIGS) - set(TILED_FORCED))}")
+    cases = {**CASES, "fp4_moe": functools.partial(fp4_moe_cases, configs=fp4_configs)}
     started = time.monotonic()
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     for group in groups:
-        if group == "fp4_moe":
-            fp4_moe_cases(gen, fp4_configs)
-        else:
-            CASES[group](gen)
+        cases[group](gen)
     print(f"all kernels ran in {math.ceil(time.monotonic() - started)} s", flush=True)
     return 0
 
