@@ -107,6 +107,10 @@ class _Match:
         self._check_sizes()
         self._check_batch_order()
 
+    @property
+    def outs(self) -> list[Node]:
+        return [self.out]
+
     def _match_tail(self):
         users = list(self.topk.users)
         require(all(is_call(u, operator.getitem) for u in users), "top-k result used whole")
@@ -292,7 +296,7 @@ def apply(graph: Graph, report) -> int:
             continue  # e.g. an MoE router's top-k: not a candidate
         try:
             match = match(node)
-            topk_readers.check_order_free(match.topk, match.out, match.k)
+            topk_readers.check_order_free(match.topk, match.outs, match.k)
         except Decline as why:
             report.record(PASS_NAME, node, False, str(why))
             logger.debug("indexer pass declined %s: %s", node.name, why)

@@ -200,6 +200,22 @@ class SglangMatch:
                 "long rows' -1 mask is not selected score != -inf")
         gathered = strip(long_valid.args[0], {aten.reshape.default, aten.view.default})
         require(gathered.args[0] is self.scores, "long rows' -1 mask reads other scores")
+        self.raw_out = self._logical_of(sel)
+
+    @property
+    def outs(self) -> list[Node]:
+        """The results the rewrite replaces: the physical slots, and the logical ones if written."""
+        return [self.out] + ([self.raw_out] if self.raw_out is not None else [])
+
+    def _logical_of(self, sel: Node) -> Node | None:
+        """SGLang's `out_raw_indices` (its indexer capture and HiSparse): the logical slots masked
+        like the physical ones, where(~valid, -1, sel) with the same valid; None if not written."""
+        raws = [u for u in sel.users if is_call(u, aten.where.self) and u.args[2] is sel
+                and _is_full(u.args[1], -1)
+                and is_call(u.args[0], aten.bitwise_not.default, aten.logical_not.default)
+                and u.args[0].args[0] is self.out_valid]
+        require(len(raws) <= 1, "the logical slots are masked and written more than once")
+        return raws[0] if raws else None
 
     def _check_short_rows(self, short: Node):
         short = strip(short, _VIEWS)
@@ -301,12 +317,35 @@ def _users_through(node: Node, allowed) -> list[Node]:
     return out
 
 
+def _physical(graph: Graph, logical: Node, page_table: Node) -> Node:
+    """where(s >= 0, page_table[b, s >> 6] << 6 | s & 63, -1) of logical slots s [T, K] int32:
+    kernels.indexer_physical.physical_slots as aten ops, which inductor fuses into the consumer."""
+    valid = call(graph, aten.ge.Scalar, (logical, 0))
+    slots = call(graph, aten.clamp_min.default, (logical, 0))
+    pages = call(graph, aten.__rshift__.Scalar, (slots, _PAGE_BITS))
+    pages = call(graph, _CONVERT, (pages, torch.int64))
+    pages = call(graph, aten.gather.default, (page_table, 1, pages))
+    pages = call(graph, aten.__lshift__.Scalar, (pages, _PAGE_BITS))
+    offsets = call(graph, aten.bitwise_and.Scalar, (slots, kernel.PAGE_SIZE - 1))
+    physical = call(graph, aten.bitwise_or.Tensor, (pages, offsets))
+    return call(graph, aten.where.ScalarOther, (valid, physical, -1))
+
+
+def _replace(graph: Graph, old: Node, new: Node) -> None:
+    if val(old).dtype != val(new).dtype:
+        with graph.inserting_before(old):
+            new = call(graph, _CONVERT, (new, val(old).dtype))
+    old.replace_all_uses_with(new)
+    graph.erase_node(old)
+
+
 def rewrite(graph: Graph, m: SglangMatch) -> None:
-    """Replace the matched site's output with dsv4::indexer_topk_physical on cache views."""
-    convert = _CONVERT
+    """Replace the matched site's physical slots with dsv4::indexer_topk_physical on cache views;
+    when the logical slots are written too, both come from one dsv4::indexer_topk call."""
     dim = shape(m.q)[3]
     page = kernel.PAGE_SIZE
-    with graph.inserting_before(m.out):
+    first = min(m.outs, key=list(graph.nodes).index)
+    with graph.inserting_before(first):
         n_pages = shape(m.cache)[0]
         values = call(graph, aten.slice.Tensor, (m.cache, 1, 0, page * dim))
         values = call(graph, aten.view.dtype, (values, m.value_dtype))
@@ -319,16 +358,19 @@ def rewrite(graph: Graph, m: SglangMatch) -> None:
         weights = call(graph, aten.unsqueeze.default, (m.weights, 1))
         lens = call(graph, aten.clamp_min.default, (m.lens, 0))
         lens = call(graph, aten.clamp_max.default, (lens, m.slots))
-        lens = call(graph, convert, (lens, torch.int32))
+        lens = call(graph, _CONVERT, (lens, torch.int32))
         lens = call(graph, aten.unsqueeze.default, (lens, 1))
         page_table = m.page_table
         if val(page_table).dtype != torch.int32:
-            page_table = call(graph, convert, (page_table, torch.int32))
-        idx = call(graph, torch.ops.dsv4.indexer_topk_physical.default,
-                   (m.q, weights, k_cache, k_scale, page_table, lens, m.k))
-        idx = call(graph, aten.view.default, (idx, [m.rows, m.k]))
-        if val(m.out).dtype != torch.int32:
-            idx = call(graph, convert, (idx, val(m.out).dtype))
-    m.out.replace_all_uses_with(idx)
-    graph.erase_node(m.out)
-
+            page_table = call(graph, _CONVERT, (page_table, torch.int32))
+        args = (m.q, weights, k_cache, k_scale, page_table, lens, m.k)
+        if m.raw_out is None:
+            idx = call(graph, torch.ops.dsv4.indexer_topk_physical.default, args)
+            physical = call(graph, aten.view.default, (idx, [m.rows, m.k]))
+        else:
+            logical = call(graph, torch.ops.dsv4.indexer_topk.default, args)
+            logical = call(graph, aten.view.default, (logical, [m.rows, m.k]))
+            physical = _physical(graph, logical, page_table)
+    _replace(graph, m.out, physical)
+    if m.raw_out is not None:
+        _replace(graph, m.raw_out, logical)

@@ -1,9 +1,10 @@
 """Whether anything reads the order of a top-k's indices, for a rewrite to an op that returns each
 row's k indices in no particular order (a permutation of torch.topk's, ties aside).
 
-  - nothing but the rewritten result may read the top-k: a second reader (SGLang's raw indices,
-    written next to the physical ones position by position) would pair torch.topk's order with
-    the op's;
+  - nothing but the rewritten results may read the top-k: a reader left in place would pair
+    torch.topk's order with the op's. Several results may be rewritten from one call of the op
+    (SGLang's logical and physical slots, written side by side position by position), as they
+    are permuted alike;
   - a sorted top-k is accepted only when every reader of the result is order-free over k. Readers
     are followed node by node: layout ops, pointwise ops whose other operands are constant along k,
     rows gathered by the indices, concatenation, slices and padding that keep the k positions
@@ -58,15 +59,17 @@ class _Permuted:
         return _Permuted(dims, (self.block[0] + shift, self.block[1] + shift))
 
 
-def check_order_free(topk: Node, out: Node, k: int) -> None:
-    """Declines unless the rewrite's result `out` ([rows..., k]) is all that reads the top-k and,
-    for a sorted top-k, no reader depends on the order of a row's k indices (module docstring)."""
-    _check_read_only_through(topk, out)
+def check_order_free(topk: Node, outs: list[Node], k: int) -> None:
+    """Declines unless the rewrite's results `outs` (each [rows..., k], all taken from one call of
+    the op, so permuted alike) are all that reads the top-k and, for a sorted top-k, no reader
+    depends on the order of a row's k indices (module docstring)."""
+    _check_read_only_through(topk, outs)
     if k == 1 or not _sorted(topk):
         return
-    rows = [f"row{i}" for i in range(len(shape(out)) - 1)]
-    state = {out: _Permuted(labelled(shape(out), rows + [_K]), (0, k))}
-    node = out.next
+    rows = [f"row{i}" for i in range(len(shape(outs[0])) - 1)]
+    state = {out: _Permuted(labelled(shape(out), rows + [_K]), (0, k)) for out in outs}
+    order = {node: i for i, node in enumerate(topk.graph.nodes)}
+    node = min(outs, key=order.__getitem__).next
     while node.op != "root":
         if any(a in state for a in node.all_input_nodes):
             permuted = _read(node, state)
@@ -79,11 +82,11 @@ def _sorted(topk: Node) -> bool:
     return topk.args[4] if len(topk.args) > 4 else topk.kwargs.get("sorted", True)
 
 
-def _check_read_only_through(topk: Node, out: Node) -> None:
-    """Everything that reads the top-k leads to `out`: after the rewrite nothing else may read
-    torch.topk's order (it would be paired with the op's)."""
+def _check_read_only_through(topk: Node, outs: list[Node]) -> None:
+    """Everything that reads the top-k leads to one of `outs`: after the rewrite nothing else may
+    read torch.topk's order (it would be paired with the op's)."""
     order = {node: i for i, node in enumerate(topk.graph.nodes)}
-    leads, todo = {out}, [out]
+    leads, todo = set(outs), list(outs)
     while todo:
         for arg in todo.pop().all_input_nodes:
             if order[arg] > order[topk] and arg not in leads:
@@ -94,7 +97,7 @@ def _check_read_only_through(topk: Node, out: Node) -> None:
         for user in todo.pop().users:
             require(user in leads, f"the top-k is also read by {user.name} ({user.target}), "
                                    "besides the rewritten result")
-            if user is not out and user not in seen:
+            if user not in outs and user not in seen:
                 seen.add(user)
                 todo.append(user)
 

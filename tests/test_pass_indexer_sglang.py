@@ -209,25 +209,67 @@ def test_indices_written_into_a_graph_input_are_rewritten(sgl):
     assert torch.ops.dsv4.indexer_topk_physical.default in hook.targets
 
 
-def test_raw_indices_also_written_declined(sgl):
-    """With `out_raw_indices` (SGLang's indexer capture, hisparse) the logical indices are written
-    too, in torch.topk's order, pairing position by position with the physical ones: the op would
-    give the physical ones in its own order, so the pass declines."""
-    topk = 32
+def sglang_step_with_logical(sgl, q, cache, weights, lens, page_table, topk=32):
+    """SGLang's transform with `out_raw_indices` (its indexer capture, HiSparse): the logical slots
+    are written too, position by position beside the physical ones."""
+    kv = cache.view(cache.shape[0], PAGE, 1, DIM + 4)
+    logits = sgl.fp8_paged_mqa_logits_torch(q, kv, weights, lens, page_table, None,
+                                            page_table.shape[1] * PAGE, False)
+    out, raw = (torch.full((q.shape[0], topk), -1, dtype=torch.int32) for _ in range(2))
+    sgl.topk_transform_pytorch_vectorized(logits, lens, page_table, out, PAGE, raw)
+    return out, raw
 
-    def fn(q, cache, weights, lens, page_table):
+
+@pytest.mark.parametrize("requests, draft", [(3, 1), (2, 4)])
+def test_logical_slots_also_written_rewritten_from_one_call(sgl, requests, draft):
+    """Both results come from one dsv4::indexer_topk call: the physical slots are the logical
+    ones translated position by position, as SGLang's pairs them."""
+    compiled, report, hook = compile_with_pass(lambda *a: sglang_step_with_logical(sgl, *a))
+    args = sglang_inputs(requests, draft, seed=3, heads=8)
+    q, cache, weights, lens, page_table = args
+    (got, got_raw), (want, want_raw) = compiled(*args), sglang_step_with_logical(sgl, *args)
+    assert_same_selection(got, want, *args)
+    valid = got_raw >= 0
+    assert torch.equal(valid, got >= 0)
+    rows = torch.arange(got.shape[0])[:, None].expand_as(got_raw)
+    translated = page_table[rows, got_raw.clamp(min=0) // PAGE] * PAGE + got_raw.clamp(min=0) % PAGE
+    assert torch.equal(got[valid], translated[valid])
+    assert (got_raw < lens[:, None]).all()
+    assert torch.equal(valid, want_raw >= 0)
+    assert report.count(indexer.PASS_NAME) == 1
+    assert torch.ops.dsv4.indexer_topk.default in hook.targets
+    assert torch.ops.dsv4.indexer_topk_physical.default not in hook.targets
+
+
+def test_logical_slots_masked_otherwise_declined(sgl):
+    """A second reader of the logical slots that is not masked like the physical ones (here its
+    mask is replaced by the short rows' one before the pass) would keep torch.topk's order
+    beside the op's: the pass declines."""
+
+    def retarget_logical_mask(graph, report):
+        buffers = [n for n in graph.nodes if n.op == "placeholder"]
+        (raw,) = [n for n in graph.nodes if n.op == "call_function"
+                  and n.target == torch.ops.aten.copy_.default and n.args[0] is buffers[-1]]
+        where = raw.args[1]  # where(~valid, -1, logical); valid = where(short, slot < lens, ...)
+        short_valid = where.args[0].args[0].args[1]
+        with graph.inserting_before(where):
+            not_valid = graph.call_function(torch.ops.aten.bitwise_not.default, (short_valid,))
+        not_valid.meta["val"] = short_valid.meta["val"]
+        where.replace_input_with(where.args[0], not_valid)
+        return indexer.apply(graph, report)
+
+    def fn(q, cache, weights, lens, page_table, out, raw):
         kv = cache.view(cache.shape[0], PAGE, 1, DIM + 4)
         logits = sgl.fp8_paged_mqa_logits_torch(q, kv, weights, lens, page_table, None,
                                                 page_table.shape[1] * PAGE, False)
-        out, raw = (torch.full((q.shape[0], topk), -1, dtype=torch.int32) for _ in range(2))
         sgl.topk_transform_pytorch_vectorized(logits, lens, page_table, out, PAGE, raw)
-        return out, raw
 
-    compiled, report, hook = compile_with_pass(fn)
+    retargeted = types.SimpleNamespace(apply=retarget_logical_mask, __name__="indexer_logical_mask_retargeted")
+    compiled, report, hook = compile_with_probe(fn, retargeted)
     args = sglang_inputs(2, 1, seed=3, heads=8)
-    for got, want in zip(compiled(*args), fn(*args)):
-        assert torch.equal(got, want)  # untouched: inductor's own code, same order
-    assert torch.ops.dsv4.indexer_topk_physical.default not in hook.targets
+    buffers = [torch.full((2, 32), -1, dtype=torch.int32) for _ in range(2)]
+    compiled(*args, *buffers)
+    assert torch.ops.dsv4.indexer_topk.default not in hook.targets
     (record,) = report.records
     assert not record.matched and "the top-k is also read by" in record.reason, record.reason
 
