@@ -1087,8 +1087,15 @@ def _down_mma_kernel(
     READY (with PREFETCH; gate/up's programs a block, 0 = off): a program waits for its own block's
     hidden rows only, ready[block] reaching READY (gate/up's COUNT_READY), not for the whole gate/up
     grid, and reads them from L2; it then lets the next kernel launch, and waits for gate/up's end only
-    before its store, so that this kernel still ends after its producers. Under the interpreter a
-    block whose count is not READY writes NaN outputs."""
+    before its store, so that this kernel still ends after its producers. A block whose count ends
+    above READY (a miscount) writes NaN outputs; under the interpreter, which reads the count once
+    after gate/up's grid, so does one below it. Compiled, a count below READY would spin forever: the
+    counting and the waiting must agree on READY (`cdiv(I, gate/up BLOCK_N)`, one add a program).
+
+    The block table and `ready` come from the grouping kernel, which this kernel reads before any wait
+    of its own: gate/up's programs pass their wait only once the grouping has ended, and they let this
+    kernel launch right after it (moving that release later would need this argument, and the one
+    against a deadlock, made again)."""
     tl.static_assert(READY == 0 or PREFETCH, "ready counts are awaited in the PREFETCH loop's preamble")
     AHEAD: tl.constexpr = EARLY or READY > 0
     H_FROM_L2: tl.constexpr = READY > 0
@@ -1141,7 +1148,7 @@ def _down_mma_kernel(
     routing = tl.load(weights_ptr + pair, mask=row_mask, other=0.0) * 2.0**64
     if not IS_MX:
         routing = routing * tl.load(g2_ptr + expert)
-    if READY > 0 and not COMPILED:
+    if READY > 0:
         routing = tl.where(complete, routing, float("nan"))
     acc = acc * routing[None, :]
     cols = col0 + tl.arange(0, BLOCK_N)
