@@ -202,6 +202,9 @@ def experts_from_transformers(module: torch.nn.Module) -> dict[str, object]:
             raise TypeError(f"experts_from_transformers: {name} is {weight.dtype}, not int8-packed FP4")
     if getattr(module, "swiglu_alpha", None) is not None:
         raise ValueError("experts_from_transformers: swiglu_alpha (gpt-oss gate) is not the fp4_moe activation")
+    for name in ("gate_softcap", "up_softcap"):
+        if getattr(module, name, None) is not None:
+            raise ValueError(f"experts_from_transformers: {name} (a softcapped SwiGLU) is not the fp4_moe activation")
     num_experts, two_inter, half_hidden = gate_up.shape
     hidden, inter = 2 * half_hidden, two_inter // 2
     if tuple(down.shape) != (num_experts, hidden, inter // 2):

@@ -131,6 +131,58 @@ def test_experts_from_transformers(scale_fmt):
             torch.testing.assert_close(mine[e], theirs, rtol=0, atol=0)
 
 
+def test_transformers_forward_equals_ours():
+    """transformers' own FP8Experts.forward (its routing loop, gate / up halves, clamps, weighting)
+    with its FP4 matmul run on transformers' own dequantisation in f32 (W4A16: its GPU kernels
+    quantise the activations to FP8 first, which dsv4_compile does not), against the plain-torch
+    form the pass rewrites and the op's reference. Every byte value of the codes (-0 included) and
+    scales of 2^-7 .. 2^-1, so that some gate / up values pass the limit. Tolerance: transformers
+    rounds the gate / up products, the SwiGLU and the down products to bf16 (2^-8 relative each),
+    so 2^-6 of the output's largest value."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    from dsv4_compile.kernels.fp4_moe import fp4_moe_reference
+    from dsv4_compile.model.fp4_experts import RoutedExperts
+
+    module = _tiny_fp4_experts("ue8m0")
+    gen = torch.Generator().manual_seed(5)
+    for proj in ("gate_up_proj", "down_proj"):
+        weight, scale = getattr(module, proj), getattr(module, proj + "_scale_inv")
+        weight.data.copy_(torch.randint(0, 256, weight.shape, generator=gen, dtype=torch.uint8).view(torch.int8))
+        scale.data.copy_(torch.randint(120, 127, scale.shape, generator=gen, dtype=torch.uint8).view(scale.dtype))
+    dequant = Fp8Dequantize(hf_quantizer=None)
+
+    def w4a16_linear(x, weight, scale, activation_scale=None):
+        return torch.nn.functional.linear(x.float(), dequant._dequantize_one(weight, scale, torch.float32)).to(x.dtype)
+
+    module.linear = w4a16_linear
+    tokens, k = 9, 2
+    x = torch.randn(tokens, module.hidden_dim, generator=gen).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(module.num_experts, generator=gen)[:k] for _ in range(tokens)])
+    weights = torch.rand(tokens, k, generator=gen) + 0.5
+    with torch.no_grad():
+        theirs = module(x, ids, weights).float()
+        views = fp4.experts_from_transformers(module)
+        ours = {"RoutedExperts": RoutedExperts(module)(x, ids, weights).float(),
+                "fp4_moe_reference": fp4_moe_reference(
+                    x, ids.int(), weights, views["w13"], views["w13_scale"], views["w2"], views["w2_scale"],
+                    "mxfp4", None, None, views["swiglu_limit"]).float()}
+    w13 = fp4.dequantize_mxfp4(views["w13"], views["w13_scale"], torch.float32)
+    gate = torch.einsum("tk,tik->ti", x.float(), w13[ids[:, 0], :module.intermediate_dim])
+    assert (gate.abs() > module.limit).any() and (gate.abs() < module.limit).any()  # the clamps matter
+    bound = 2.0 ** -6 * float(theirs.abs().max())
+    for name, got in ours.items():
+        torch.testing.assert_close(got, theirs, rtol=0, atol=bound, msg=name)
+
+
+@pytest.mark.parametrize("name", ["gate_softcap", "up_softcap"])
+def test_experts_from_transformers_rejects_softcaps(name):
+    module = _tiny_fp4_experts("ue8m0")
+    setattr(module, name, 30.0)
+    with pytest.raises(ValueError, match=name):
+        fp4.experts_from_transformers(module)
+
+
 def test_experts_from_transformers_rejects_dense():
     with pytest.raises(TypeError, match="gate_up_proj"):
         fp4.experts_from_transformers(torch.nn.Linear(4, 4))

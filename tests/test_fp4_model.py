@@ -97,3 +97,15 @@ def test_optimize_tiles_transformers_fp4_experts():
                for layer in models[1].model.layers)
     prompts = make_prompts((21, 9), models[0].config.vocab_size, seed=7)
     assert tiled.generate(prompts, NEW_TOKENS) == kept.generate(prompts, NEW_TOKENS)
+
+
+def test_optimize_rejects_fp8_experts():
+    """transformers' FP8Experts with e4m3 experts (expert_dtype "fp8") is neither dense nor FP4:
+    optimize() names it instead of failing at the first step."""
+    from transformers.integrations.finegrained_fp8 import FP8Experts
+
+    model = tiny_model(seed=2)
+    layer = model.model.layers[1]
+    layer.mlp.experts = FP8Experts(model.config, block_size=(32, 32), expert_dtype="fp8")
+    with pytest.raises(TypeError, match=r"routed experts \(FP8Experts\) hold torch.float8_e4m3fn weights"):
+        dsv4_compile.optimize(model, max_batch=2, max_context=256, compile=False)

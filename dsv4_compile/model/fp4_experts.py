@@ -113,6 +113,9 @@ def is_fp4(experts: nn.Module) -> bool:
     return isinstance(experts, Fp4Experts) or experts.gate_up_proj.dtype in (torch.int8, torch.uint8)
 
 
+_DENSE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
 def _get(source: nn.Module | dict, name: str):
     return source[name] if isinstance(source, dict) else getattr(source, name)
 
@@ -132,6 +135,13 @@ class RoutedExperts(nn.Module):
         self.fp4_views = (experts_from_transformers(experts)
                           if is_fp4(experts) and not isinstance(experts, Fp4Experts) else None)
         source = experts if isinstance(experts, Fp4Experts) else self.fp4_views
+        if source is None:
+            dtypes = {experts.gate_up_proj.dtype, experts.down_proj.dtype}
+            if not all(dtype in _DENSE_DTYPES for dtype in dtypes):
+                names = " and ".join(sorted(map(str, dtypes)))
+                raise TypeError(f"routed experts ({type(experts).__name__}) hold {names} weights; "
+                                "supported: bf16, f16 or f32 experts, or FP4 ones (MXFP4 / NVFP4, int8- or "
+                                "uint8-packed; transformers' FP8Experts with expert_dtype 'fp4')")
         if source is not None and _get(source, "fmt") == "mxfp4":
             from dsv4_compile.kernels.fp4_moe import check_mxfp4_scale_range, native_fp4_dot
 
