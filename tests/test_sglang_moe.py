@@ -17,6 +17,7 @@ import pytest
 import torch
 
 # dsv4_compile before sglang (see tests/test_sglang_plugin.py: transformers' hub-kernels check).
+from dsv4_compile import fp4
 from dsv4_compile.integrations import sglang as plugin
 from dsv4_compile.integrations import sglang_moe
 from dsv4_compile.kernels.fp4_moe import fp4_moe_reference
@@ -226,11 +227,11 @@ def test_dsv4_nvfp4_target_and_mxfp4_draft_selection(sg, model_dir, plugin_loade
         assert type(selected(sg, other_model, layer, DRAFT_PREFIX, "sm_120")) is sg.mxfp4_trtllm.Mxfp4FlashinferTrtllmMoEMethod
 
 
-def random_checkpoint(fmt, seed, split_global=False):
+def random_checkpoint(fmt, seed):
     """Random FP4 experts as a checkpoint stores them: {(expert, shard, suffix): tensor}, plus the
     op-layout tensors [E, 2I, K/2] etc. that fp4_moe_reference takes.
 
-    NVFP4 gate and up share one global scale per expert unless `split_global`.
+    NVFP4 gate and up share one global scale per expert.
     """
     op_layout = make_experts(fmt, EXPERTS, HIDDEN, INTER, seed)
     q13, s13, g13 = op_layout["w13"], op_layout["w13_scale"], op_layout["w13_global"]
@@ -246,7 +247,7 @@ def random_checkpoint(fmt, seed, split_global=False):
                 glob = (g13 if shard != "w2" else g2)[e]
                 ckpt[e, shard, "weight"] = q[e, rows]
                 ckpt[e, shard, "weight_scale"] = s[e, rows]
-                ckpt[e, shard, "weight_scale_2"] = glob * 2 if split_global and shard == "w3" else glob
+                ckpt[e, shard, "weight_scale_2"] = glob
                 ckpt[e, shard, "input_scale"] = torch.tensor(1.0)
     return ckpt, op_layout
 
@@ -305,20 +306,68 @@ def test_apply_matches_reference_on_sglang_loaded_weights(sg, model_dir, plugin_
     assert (got.float() - want.float()).abs().max() <= 2e-2 * scale
 
 
-def test_nvfp4_gate_and_up_global_scales_must_match(sg, model_dir, plugin_loaded):
+def nvfp4_split_reference(x, topk_ids, topk_weights, op_layout, up_ratio):
+    """fp4_moe's spec with the up rows' global `up_ratio` times the gate's: weights dequantised in
+    f32 per half with their own global."""
+    inter = op_layout["w13"].shape[1] // 2
+    globals_ = torch.stack([op_layout["w13_global"], op_layout["w13_global"] * up_ratio], dim=1)
+    w13 = torch.cat([fp4.dequantize_nvfp4(op_layout["w13"][:, half * inter:(half + 1) * inter],
+                                          op_layout["w13_scale"][:, half * inter:(half + 1) * inter],
+                                          globals_[:, half], torch.float32) for half in (0, 1)], dim=1)
+    w2 = fp4.dequantize_nvfp4(op_layout["w2"], op_layout["w2_scale"], op_layout["w2_global"], torch.float32)
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for token, choice in torch.nonzero(topk_ids >= 0).tolist():
+        expert = int(topk_ids[token, choice])
+        gate, up = (w13[expert] @ x[token].float()).chunk(2)
+        hidden = torch.nn.functional.silu(gate.clamp(max=SWIGLU_LIMIT)) * up.clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT)
+        out[token] += topk_weights[token, choice] * (w2[expert] @ hidden)
+    return out
+
+
+def test_nvfp4_untied_gate_and_up_globals_move_onto_the_larger(sg, model_dir, plugin_loaded, caplog):
+    """Up globals 1.3x the gate's: the gate rows' e4m3 block scales are multiplied by 1 / 1.3 and
+    rounded, both globals become the up one, and a second post-load pass changes nothing. The
+    output equals the reference on the rescaled storage (kernel tolerance as above) and the split
+    globals' own reference within e4m3's rounding of a block scale (2^-4 relative) of the output."""
+    ratio = 1.3
     with sglang_runtime(sg, model_dir, "flashinfer_trtllm_routed"):
         layer = build_layer(sg, dsv4_hybrid_config(sg), TARGET_PREFIX)
-        ckpt, _ = random_checkpoint("nvfp4", seed=13, split_global=True)
-        with pytest.raises(ValueError, match="w13_weight_scale_2 differs between gate and up"):
+        assert layer.w13_blockscale_swizzled is None and layer.w2_blockscale_swizzled is None
+        ckpt, op_layout = random_checkpoint("nvfp4", seed=13)
+        for e in range(EXPERTS):
+            ckpt[e, "w3", "weight_scale_2"] = ckpt[e, "w3", "weight_scale_2"] * ratio
+        with caplog.at_level("WARNING", logger="dsv4_compile"):
             load_checkpoint(layer, ckpt)
+        assert f"in {EXPERTS} of {EXPERTS} experts" in caplog.text
+        up_global = op_layout["w13_global"] * ratio
+        assert torch.equal(getattr(layer, sglang_moe.W13_GLOBAL_PARAM), up_global)
+        assert torch.equal(layer.w13_weight_scale_2.data, up_global[:, None].expand(-1, 2))
+        gate_scales = (op_layout["w13_scale"][:, :INTER].float() * (op_layout["w13_global"] / up_global)[:, None, None])
+        assert torch.equal(layer.w13_weight_scale.data[:, :INTER], gate_scales.to(torch.float8_e4m3fn))
+        assert torch.equal(layer.w13_weight_scale.data[:, INTER:], op_layout["w13_scale"][:, INTER:])
+        stored = {name: t.clone() for name, t in layer.quant_method.expert_tensors(layer).items()
+                  if isinstance(t, torch.Tensor)}
+        layer.quant_method.process_weights_after_loading(layer)
+        assert all(torch.equal(t, layer.quant_method.expert_tensors(layer)[name]) for name, t in stored.items())
+
+        x, topk_ids, topk_weights = layer_inputs(15)
+        topk_ids[1, 0] = -1
+        got = run_layer(sg, layer, x, topk_ids, topk_weights).float()
+        on_storage = fp4_moe_reference(x, topk_ids, topk_weights, swiglu_limit=SWIGLU_LIMIT,
+                                       **layer.quant_method.expert_tensors(layer)).float()
+    split = nvfp4_split_reference(x, topk_ids, topk_weights, op_layout, ratio)
+    scale = split.abs().max()
+    assert scale > 0.1
+    assert (got - on_storage).abs().max() <= 2e-2 * scale
+    assert (got - split).abs().max() <= 2.0 ** -4 * scale
 
 
-@pytest.mark.parametrize("up_scale, loads", [(lambda g: g * (1 + 2.0**-20), True), (lambda g: g * (1 + 2.0**-8), False),
-                                             (lambda g: g * float("nan"), False)],
-                         ids=["within_rtol", "beyond_rtol", "nan"])
+@pytest.mark.parametrize("up_scale, loads", [(lambda g: g * (1 + 2.0**-20), True), (lambda g: g * float("nan"), False),
+                                             (lambda g: g * float("inf"), False)],
+                         ids=["within_rtol", "nan", "inf"])
 def test_nvfp4_gate_and_up_global_scales_close_enough(sg, model_dir, plugin_loaded, up_scale, loads):
-    """Gate and up global scales a rounding apart load (the gate's serves both); farther apart, or not
-    finite, they raise naming w13_weight_scale_2."""
+    """Gate and up global scales a rounding apart load as they are (the gate's serves both, no block
+    scale changes); not finite, they raise naming w13_weight_scale_2."""
     with sglang_runtime(sg, model_dir, "flashinfer_trtllm_routed"):
         layer = build_layer(sg, dsv4_hybrid_config(sg), TARGET_PREFIX)
         ckpt, op_layout = random_checkpoint("nvfp4", seed=14)
@@ -327,6 +376,7 @@ def test_nvfp4_gate_and_up_global_scales_close_enough(sg, model_dir, plugin_load
         if loads:
             load_checkpoint(layer, ckpt)
             assert torch.equal(getattr(layer, sglang_moe.W13_GLOBAL_PARAM), op_layout["w13_global"])
+            assert torch.equal(layer.w13_weight_scale.data, op_layout["w13_scale"])
         else:
             with pytest.raises(ValueError, match="w13_weight_scale_2"):
                 load_checkpoint(layer, ckpt)
@@ -453,7 +503,7 @@ def test_in_place_reload_computes_like_a_fresh_load(sg, model_dir, plugin_loaded
 
 
 def test_failed_nvfp4_reload_leaves_no_stale_layer(sg, model_dir, plugin_loaded):
-    """A reload whose gate and up globals disagree raises; the layer then refuses to compute (its
+    """A reload whose gate and up globals are not finite raises; the layer then refuses to compute (its
     derived global, which captured graphs read, is NaN) until a valid reload, like SGLang's own
     rollback after a failed update_weights_from_disk."""
     inputs = layer_inputs(41)
@@ -461,10 +511,12 @@ def test_failed_nvfp4_reload_leaves_no_stale_layer(sg, model_dir, plugin_loaded)
         model = _ExpertsModel(sg, build_layer(sg, dsv4_hybrid_config(sg), TARGET_PREFIX))
         initial_load(sg, model, random_checkpoint("nvfp4", seed=42)[0])
         before = run_layer(sg, model.experts, *inputs)
-        with pytest.raises(ValueError, match="w13_weight_scale_2 differs between gate and up"):
-            reload_from_disk(sg, model, random_checkpoint("nvfp4", seed=43, split_global=True)[0])
+        bad = random_checkpoint("nvfp4", seed=43)[0]
+        bad[3, "w1", "weight_scale_2"] = torch.tensor(float("nan"))
+        with pytest.raises(ValueError, match="w13_weight_scale_2 holds non-finite values"):
+            reload_from_disk(sg, model, bad)
         assert getattr(model.experts, sglang_moe.W13_GLOBAL_PARAM).isnan().all()
-        with pytest.raises(RuntimeError, match="last weight load failed.*w13_weight_scale_2 differs"):
+        with pytest.raises(RuntimeError, match="last weight load failed.*w13_weight_scale_2 holds non-finite"):
             run_layer(sg, model.experts, *inputs)
         reload_from_disk(sg, model, random_checkpoint("nvfp4", seed=42)[0])  # the rollback
         assert torch.equal(run_layer(sg, model.experts, *inputs), before)

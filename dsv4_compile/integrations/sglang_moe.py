@@ -23,17 +23,21 @@ Weights keep SGLang's storage (its own `create_weights` and loaders), in the che
   method stores them. The op gets uint8 views of all four: no repacking.
 - NVFP4: `w13_weight` uint8 [E, 2I, K/2], `w*_weight_scale` e4m3 [E, rows, cols/16] (views),
   `w13_weight_scale_2` [E, 2] f32 (gate, up) and `w2_weight_scale_2` [E] f32. The op takes one
-  w13 global scale per expert, which needs gate and up to share it: after each load it is derived
-  into its own parameter `W13_GLOBAL_PARAM` [E] f32; the swizzled block-scale copies SGLang
-  allocates are freed. Activations stay bf16 (W4A16), so the checkpoint's input scales are not used.
+  w13 global scale per expert: after each load it is derived into its own parameter
+  `W13_GLOBAL_PARAM` [E] f32. Where an expert's gate and up globals differ (ModelOpt ties them on
+  export; other quantisers may not), both halves move onto the larger one: the other half's e4m3
+  block scales are multiplied by the ratio and rounded (at most 2^-4 relative a block scale), as
+  SGLang's own TRT-LLM path does, and `w13_weight_scale_2` is tied in place. The swizzled
+  block-scale copies SGLang allocates are dropped as soon as they are created. Activations stay
+  bf16 (W4A16), so the checkpoint's input scales are not used.
 
 In-place reloads (SGLang's update_weights_from_disk, and the begin/end_weight_update sessions of
 update_weights_from_tensor / _distributed) rerun the loaders on the same parameters and then
 `process_weights_after_loading`, as SGLang's own FP4 methods expect: every parameter a loader
 writes keeps its checkpoint shape, so no restore step is needed (SGLang calls
 `restore_weights_before_loading` only on QuantizeMethodBase subclasses), and the derived global is
-rewritten in place, so graphs captured on its storage read the new values. A load whose gate and
-up globals disagree raises; until a valid load, the derived global is NaN and `apply` raises,
+rewritten in place, so graphs captured on its storage read the new values. A load whose gate or
+up globals are not finite raises; until a valid load, the derived global is NaN and `apply` raises,
 since some of SGLang's paths (the checkpoint-engine IPC hook) only log that error.
 
 The routed scaling factor is folded into the top-k weights (`fuse_routed_scaling_factor_in_topk`),
@@ -98,6 +102,9 @@ class Dsv4Fp4MoEMethod:
             layer.weight_load_method = self._weights_method
         self._weights_method.create_weights(layer, num_experts, hidden_size, intermediate_size_per_partition,
                                             params_dtype, **extra, **extra_weight_attrs)
+        if self.fmt == "nvfp4":  # swizzled copies for FlashInfer's CUTLASS kernels: never read here
+            layer.w13_blockscale_swizzled = None
+            layer.w2_blockscale_swizzled = None
 
     def create_moe_runner(self, layer: torch.nn.Module, moe_runner_config: Any) -> None:
         """Checks the activation is fp4_moe's (gated SiLU, optional swiglu clamp); keeps the clamp."""
@@ -131,35 +138,43 @@ class Dsv4Fp4MoEMethod:
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """NVFP4 only: derives `W13_GLOBAL_PARAM` [E] f32 from `w13_weight_scale_2` [E, 2] in place,
-        and frees the swizzled scale copies. Raises ValueError (and poisons the layer) when gate and
-        up globals are not finite or differ by more than GLOBAL_SCALE_RTOL."""
+        tying gate and up globals that differ (module docstring). Raises ValueError (and poisons the
+        layer) when they are not finite."""
         from sglang.srt.layers.utils.common import copy_or_rebind_param
 
         if self.fmt == "mxfp4":
             return
         try:
-            w13_global = self._shared_w13_global(layer.w13_weight_scale_2.data)
+            self._tie_w13_globals(layer.w13_weight_scale_2.data, layer.w13_weight_scale.data)
         except ValueError as error:
             self._poison(layer, str(error))
             raise
-        copy_or_rebind_param(layer, W13_GLOBAL_PARAM, w13_global)  # in place from the second load on
+        # in place from the second load on
+        copy_or_rebind_param(layer, W13_GLOBAL_PARAM, layer.w13_weight_scale_2.data[:, 0].float().contiguous())
         self.load_error = None
-        layer.w13_blockscale_swizzled = None
-        layer.w2_blockscale_swizzled = None
 
-    def _shared_w13_global(self, scale_2: torch.Tensor) -> torch.Tensor:
-        """[E, 2] f32 (gate, up) -> the gate's [E] f32, which serves the up rows too where the two
-        differ by at most GLOBAL_SCALE_RTOL relative (below the bf16 rounding of the activations)."""
-        gate, up = scale_2[:, 0].float(), scale_2[:, 1].float()
-        if not (gate.isfinite().all() and up.isfinite().all()):
+    def _tie_w13_globals(self, scale_2: torch.Tensor, block_scales: torch.Tensor) -> None:
+        """scale_2 [E, 2] f32 (gate, up), block_scales [E, 2I, K/16] e4m3, in place: where an expert's
+        two globals differ by more than GLOBAL_SCALE_RTOL relative (a rounding apart, the gate's
+        serves both), the half with the smaller one gets its block scales times smaller / larger,
+        rounded to e4m3, and both globals become the larger."""
+        if not scale_2.isfinite().all():
             raise ValueError(f"Dsv4Fp4MoEMethod ({self.prefix}): w13_weight_scale_2 holds non-finite values")
-        worst = float(((gate - up).abs() / gate.abs().clamp(min=torch.finfo(torch.float32).tiny)).max())
-        if worst > GLOBAL_SCALE_RTOL:
-            raise ValueError(
-                f"Dsv4Fp4MoEMethod ({self.prefix}): w13_weight_scale_2 differs between gate and up by up to "
-                f"{worst:.3g} relative; fp4_moe takes one global scale per expert for w13 (at most "
-                f"{GLOBAL_SCALE_RTOL:.3g} apart)")
-        return gate.contiguous()
+        gate, up = scale_2[:, 0].float(), scale_2[:, 1].float()
+        apart = (gate - up).abs() / gate.abs().clamp(min=torch.finfo(torch.float32).tiny)
+        untied = apart > GLOBAL_SCALE_RTOL
+        if not untied.any():
+            return
+        shared = torch.maximum(gate, up)
+        ratios = torch.where(untied[:, None], torch.stack([gate, up], dim=1) / shared[:, None], 1.0)
+        halves = block_scales.unflatten(1, (2, -1))  # [E, (gate, up), I, K/16]
+        exact = halves.float() * ratios[:, :, None, None]
+        halves.copy_(exact)
+        error = float(((halves.float() - exact).abs() / exact.abs().clamp(min=torch.finfo(torch.float32).tiny)).max())
+        scale_2.copy_(torch.where(untied[:, None], shared[:, None], scale_2.float()).to(scale_2.dtype))
+        log.warning("dsv4: %s: gate and up global scales differ (up to %.3g relative) in %d of %d experts; their "
+                    "w13 block scales were moved onto the larger global (e4m3 rounding, up to %.3g relative)",
+                    self.prefix, float(apart.max()), int(untied.sum()), untied.numel(), error)
 
     def _poison(self, layer: torch.nn.Module, reason: str) -> None:
         """After a failed load the weights may be new and the derived global old: NaN makes graphs
