@@ -143,6 +143,8 @@ class Dsv4Fp4MoEMethod:
         from sglang.srt.layers.utils.common import copy_or_rebind_param
 
         if self.fmt == "mxfp4":
+            # Fp8MoEMethod's own post-load step is not run: for these experts (CUDA, no all-to-all)
+            # it only re-views the weights as int8, and the op takes uint8 views of them anyway.
             return
         try:
             self._tie_w13_globals(layer.w13_weight_scale_2.data, layer.w13_weight_scale.data)
