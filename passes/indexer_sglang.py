@@ -14,10 +14,14 @@ length; W = 64 * (D + 4) bytes per page: 64 x D fp8 values, then 64 f32 scales):
     sel    = where(lens <= K, where(j >= lens, -1, j), raw)                 j = iota(K)
     valid  = where(lens <= K, j < lens, scores[row, sel] != -inf)
     out    = where(~valid, -1, (page_table[b, sel >> 6] << 6) | (sel & 63))
+    logic  = where(~valid, -1, sel)                                         (optional: SGLang's
+             out_raw_indices, the logical slots beside the physical ones)
 
 becomes view(indexer_topk_physical(q, weights[:, None], k_cache, k_scale, page_table,
 clamp(lens, 0, S)[:, None], K), [T, K]), where k_cache [P, 64, D] fp8 and k_scale [P, 64] f32
-are strided views of the same cache bytes (never copies). `scores[row, sel] != -inf` is true
+are strided views of the same cache bytes (never copies). With `logic`, both come from one call
+instead: logic = view(indexer_topk(...), [T, K]) and out its translation to physical slots, so
+they pair position by position as SGLang's do. `scores[row, sel] != -inf` is true
 for every selected slot when lens > K and the scores are finite, which is the op's contract.
 Rows stay aligned without following dims: every step from the page table and from q to the bmm
 is pinned (the gather, a last-dim slice, a dtype view, one reshape to [T, S, D]; q[:, 0] permuted
