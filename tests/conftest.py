@@ -7,6 +7,36 @@ if not torch.cuda.is_available():
     # triton.jit reads this when the decorator runs, so it must be set before kernels import.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def _round_bf16_casts_to_nearest_even() -> None:
+    """Triton 3.6's interpreter truncates f32 -> bf16 casts (stores of f32 values into bf16 tensors
+    among them), where compiled Triton rounds to nearest even, its default `fp_downcast_rounding`,
+    and flushes bf16 subnormals to zero when it widens them to f32. Its casts between the two then
+    take torch's conversion (rounding as the GPU does) and the exact widening, so that a kernel's
+    bf16 results on CPU are the ones the GPU computes (`test_interpreter.py` pins these facts)."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    truncating_cast = interpreter.InterpreterBuilder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            values = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32))
+            bits = values.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+            return interpreter.TensorHandle(bits, tl.bfloat16)
+        if src.dtype.scalar == tl.bfloat16 and dst_type.scalar == tl.float32:
+            widened = np.ascontiguousarray(src.data, dtype=np.uint16).astype(np.uint32) << 16
+            return interpreter.TensorHandle(widened.view(np.float32), tl.float32)
+        return truncating_cast(self, src, dst_type)
+
+    cast_impl.truncating_cast = truncating_cast
+    interpreter.InterpreterBuilder.cast_impl = cast_impl
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _round_bf16_casts_to_nearest_even()
+
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
