@@ -356,10 +356,11 @@ def _dot(block_m, block_n, block_k, warps, stages):
 
 
 def _mma(block_m, block_n, block_k, warps, stages, prefetch=False, down=(0, 0), asm=False, caps=(0, 0), splits=1,
-         direct=False, ready=False):
+         direct=False, ready=False, relaxed=False):
     return moe.TileConfig("mma", block_m, block_n, block_k, num_warps=warps, num_stages=stages, prefetch=prefetch,
                           down_block_n=down[0], down_num_warps=down[1], scale_asm=asm, max_regs=caps[0],
-                          down_max_regs=caps[1], k_splits=splits, direct_blocks=direct, ready_counts=ready)
+                          down_max_regs=caps[1], k_splits=splits, direct_blocks=direct, ready_counts=ready,
+                          relaxed_spin=relaxed)
 
 
 # Candidates per M at V4-Flash sizes (E=256, k=6); the table marks the default (`choose_config`). M=1
@@ -367,11 +368,12 @@ def _mma(block_m, block_n, block_k, warps, stages, prefetch=False, down=(0, 0), 
 # tensor-core path (fp4_moe's MMA path comment), all on one warp and without cp.async (every
 # pipelined variant lost in the third to fifth sessions' sweeps): with prefetch=True two K steps a
 # turn, each loaded a step ahead into registers (BLOCK_K 64 or 128, fewer weight rows for fewer
-# registers), beside the plain loop with 256-column steps (the verify default). 78 (config, M,
+# registers), beside the plain loop with 256-column steps (the verify default). 80 (config, M,
 # format) rows: some 2-3 minutes on the H200 with compiles. `ready`: the down kernel's per-block
 # ready counts instead of its wait for the whole gate/up grid (TileConfig.ready_counts; the MXFP4
 # default since the thirtieth session; at M=8 also with 32 gate/up columns a program, half the programs,
-# which lost to 16). At M=256 (six pairs an expert) 8-pair blocks read and decode the ~15% of
+# which lost to 16); `relaxed`: their down programs spin on volatile loads and acquire once
+# (TileConfig.relaxed_spin, not timed yet). At M=256 (six pairs an expert) 8-pair blocks read and decode the ~15% of
 # experts with more than 8 pairs twice; 16-pair blocks on 128-column K steps needed 168-255 registers
 # and lost (twenty-fourth session), and on 64-column steps (134 / 132 registers, no spills) lost by
 # 245-287 us (thirtieth session). `down` gives the down kernel output columns and warps of its own: in the eleventh session's
@@ -392,6 +394,7 @@ _SMALL = [_mma(8, 16, 128, 1, 1, True, down=(128, 4)), _mma(8, 16, 128, 1, 1, Tr
           _mma(8, 16, 128, 1, 1, True, down=(128, 4), direct=True),
           _mma(8, 16, 128, 1, 1, True, down=(128, 4), splits=2, direct=True),
           _mma(8, 16, 128, 1, 1, True, down=(128, 4), ready=True),
+          _mma(8, 16, 128, 1, 1, True, down=(128, 4), ready=True, relaxed=True),
           _mma(8, 32, 128, 1, 1, True, down=(128, 4), ready=True)]
 SWEEP_CANDIDATES = {
     1: _TOKEN,
@@ -402,14 +405,16 @@ SWEEP_CANDIDATES = {
          _mma(8, 16, 128, 1, 1, True),
          _mma(8, 64, 64, 1, 1, True), _mma(8, 64, 128, 2, 1, True), _mma(8, 32, 256, 1, 1),
          _mma(8, 16, 128, 1, 1, True, down=(64, 2)), _mma(8, 32, 128, 1, 1, True, down=(64, 2)),
-         _mma(8, 16, 128, 1, 1, True, down=(128, 4)), _mma(8, 16, 128, 1, 1, True, down=(128, 4), ready=True)],
+         _mma(8, 16, 128, 1, 1, True, down=(128, 4)), _mma(8, 16, 128, 1, 1, True, down=(128, 4), ready=True),
+         _mma(8, 16, 128, 1, 1, True, down=(128, 4), ready=True, relaxed=True)],
     256: [_mma(8, 32, 256, 1, 1), _mma(8, 32, 128, 1, 1, True, asm=True, caps=(160, 112)),
           _mma(8, 32, 128, 1, 1, True, asm=True), _mma(8, 32, 128, 1, 1, True),
           _mma(8, 32, 64, 1, 1, True),
           _mma(8, 16, 128, 1, 1, True), _mma(8, 32, 128, 1, 1, True, down=(128, 4)),
           _mma(8, 32, 128, 1, 1, True, down=(128, 4), asm=True, caps=(160, 0)),
           _mma(8, 16, 128, 1, 1, True, down=(128, 4)), _mma(8, 16, 128, 1, 1, True, down=(128, 4), ready=True),
-          _mma(8, 32, 128, 1, 1, True, down=(128, 4), asm=True, caps=(160, 0), ready=True)],
+          _mma(8, 32, 128, 1, 1, True, down=(128, 4), asm=True, caps=(160, 0), ready=True),
+          _mma(8, 32, 128, 1, 1, True, down=(128, 4), asm=True, caps=(160, 0), ready=True, relaxed=True)],
 }
 
 
@@ -488,7 +493,8 @@ def _splits_cell(config: dict) -> str:
     """gate/up's K splits where the config splits, 'direct' for one block a pair (no grouping kernels),
     'ready' for the down kernel's per-block ready counts."""
     cells = ([str(config["k_splits"])] if config["k_splits"] > 1 else []) + (["direct"] if config["direct_blocks"] else [])
-    return ", ".join(cells + (["ready"] if config["ready_counts"] else []))
+    ready = ["ready, relaxed spin" if config["relaxed_spin"] else "ready"] if config["ready_counts"] else []
+    return ", ".join(cells + ready)
 
 
 def _caps_cell(config: dict) -> str:

@@ -152,11 +152,15 @@ FORCED_CONFIGS = {
     # formats (the defaults take them for MXFP4 only): the 32-row class and the 16-column class (M=8, 64)
     "mma_ready": dataclasses.replace(fp4_moe.DEFAULT_CONFIGS["mma"], ready_counts=True),
     "mma_small_ready": dataclasses.replace(fp4_moe.DEFAULT_CONFIGS["mma_small"], ready_counts=True),
+    # the same, spinning on volatile loads with one acquire (TileConfig.relaxed_spin)
+    "mma_ready_relaxed": dataclasses.replace(fp4_moe.DEFAULT_CONFIGS["mma"], ready_counts=True, relaxed_spin=True),
+    "mma_small_ready_relaxed": dataclasses.replace(fp4_moe.DEFAULT_CONFIGS["mma_small"], ready_counts=True,
+                                                   relaxed_spin=True),
 }
 # On the tiled experts optimize() gives the model (dsv4_compile.fp4_tiles): the default launch and one
 # config of each path (the dot path's prefill tile among them), whose loads all address tiles.
 TILED_FORCED = ("prefetch", "mma_prefetch", "mma_down_shape", "mma_scale_asm", "mma_split", "mma_direct", "mma_ready",
-                "mma_small_ready", "dot64")
+                "mma_small_ready", "mma_ready_relaxed", "mma_small_ready_relaxed", "dot64")
 
 
 def fp4_moe_cases(gen: torch.Generator, configs: set[str] | None = None) -> None:

@@ -112,18 +112,30 @@ def count_done(count_ptr):
 
 
 @triton.jit
-def await_count(count_ptr, TARGET: tl.constexpr, COMPILED: tl.constexpr):
+def await_count(count_ptr, TARGET: tl.constexpr, COMPILED: tl.constexpr, RELAXED: tl.constexpr):
     """Spins until the int32 at count_ptr reaches TARGET (`count_done`'s acquire side; Triton turns
     the add of 0 into an acquire load and hands its result to every thread through a barrier).
     Returns whether the count equals TARGET. The interpreter runs grids one after another, so there
     the count is read once, complete unless the producers counted wrong: the caller can then make its
-    output show it (the interpreter ignores tl.device_assert)."""
+    output show it (the interpreter ignores tl.device_assert).
+
+    RELAXED: once a first acquire finds the count short, spin on volatile loads (from L2) and acquire
+    once the count is complete, instead of an acquire load a turn: each acquire load invalidates the
+    SM's L1 (`CCTL.IVALL` on sm_90), also for the producer programs that share the SM."""
     seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
     if COMPILED:
-        while seen < TARGET:
-            tl.inline_asm_elementwise("nanosleep.u32 100; mov.u32 $0, 0;", "=r,r", [seen], dtype=tl.int32,
-                                      is_pure=False, pack=1)
-            seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
+        if RELAXED:
+            if seen < TARGET:
+                while seen < TARGET:
+                    tl.inline_asm_elementwise("nanosleep.u32 100; mov.u32 $0, 0;", "=r,r", [seen],
+                                              dtype=tl.int32, is_pure=False, pack=1)
+                    seen = tl.load(count_ptr, volatile=True)
+                seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
+        else:
+            while seen < TARGET:
+                tl.inline_asm_elementwise("nanosleep.u32 100; mov.u32 $0, 0;", "=r,r", [seen], dtype=tl.int32,
+                                          is_pure=False, pack=1)
+                seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
     return seen == TARGET
 
 

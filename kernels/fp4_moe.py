@@ -1073,6 +1073,7 @@ def _down_mma_kernel(
     PDL: tl.constexpr,
     EARLY: tl.constexpr,
     READY: tl.constexpr,
+    RELAXED_SPIN: tl.constexpr,
 ):
     """hidden [M*k, I] (int32 pairs where PACKED), w2 / scales as int32 words -> weighted pair
     outputs [M*k, K] f32 (blocks as in `_block_rows`).
@@ -1116,7 +1117,7 @@ def _down_mma_kernel(
             wa, sa = _mma_load_weights(w_base, s_base, col0, K, 0, stride_wn, stride_sn,
                                        GROUP, BLOCK_N, BLOCK_K, NUM_WARPS, TILED, SCALE_ASM)
             if READY > 0:
-                complete = await_count(ready_ptr + tl.program_id(1), READY, COMPILED)
+                complete = await_count(ready_ptr + tl.program_id(1), READY, COMPILED, RELAXED_SPIN)
                 release_in_mode(PDL)
             else:
                 wait_for_producers(PDL)
@@ -1195,7 +1196,9 @@ class TileConfig:
     (mma path with prefetch, expert blocks, no split-K): each down program waits for its own block's
     gate/up programs (ready counts, `_down_mma_kernel`'s READY) instead of the whole gate/up grid;
     taken where the down kernel launches early (EARLY) and under the interpreter, where a wrong count
-    shows as NaN outputs. On by default for MXFP4 only (READY_COUNTS_FORMATS).
+    shows as NaN outputs. On by default for MXFP4 only (READY_COUNTS_FORMATS). relaxed_spin (with
+    ready_counts): a down program whose count is short spins on volatile loads and acquires once
+    (`await_count`'s RELAXED); not timed yet, so off by default.
     """
 
     path: str
@@ -1213,6 +1216,7 @@ class TileConfig:
     k_splits: int = 1
     direct_blocks: bool = False
     ready_counts: bool = False
+    relaxed_spin: bool = False
 
     def __post_init__(self):
         if self.path not in ("gemv", "dot", "mma"):
@@ -1254,6 +1258,8 @@ class TileConfig:
                                       and self.k_splits == 1):
             raise ValueError("TileConfig.ready_counts applies to the mma path with prefetch, expert blocks "
                              "(not direct_blocks) and k_splits=1")
+        if self.relaxed_spin and not self.ready_counts:
+            raise ValueError("TileConfig.relaxed_spin applies with ready_counts")
         if self.prefetch and not (self.path == "gemv" or (self.path == "mma" and self.num_stages == 1)):
             raise ValueError("TileConfig.prefetch applies to the gemv path and to the mma path with num_stages=1 "
                              "(the others pipeline with num_stages)")
@@ -1559,7 +1565,8 @@ def fp4_moe_pairs_triton(
         early = bool(pdl["PDL"]) and config.prefetch and w2_in_place
         counted = wants_counts and (early if pdl["PDL"] else interpreted)
         gate_up_args.update(pdl, COUNT_READY=counted)
-        down_args.update(pdl, EARLY=early, READY=triton.cdiv(inter, gate_up_args["BLOCK_N"]) if counted else 0)
+        down_args.update(pdl, EARLY=early, READY=triton.cdiv(inter, gate_up_args["BLOCK_N"]) if counted else 0,
+                         RELAXED_SPIN=counted and config.relaxed_spin)
     # K, I, k are constexpr: fixed per model, and loop bounds the interpreter (numpy >= 2.4) accepts.
     gate_up[grid(inter, gate_up_args, k_splits)](
         x_in, order, block_expert, block_start, block_end, w13, s13, g13, hidden_rows,

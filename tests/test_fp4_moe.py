@@ -329,14 +329,15 @@ def test_mma_several_scale_groups_per_lane(fmt, name):
     assert_close_scaled(combine_pairs(pairs, ids, experts, x.dtype), want, torch.float32)
 
 
-@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-def test_gate_up_counts_each_blocks_programs(monkeypatch, fmt):
+@pytest.mark.parametrize("fmt, relaxed", [("mxfp4", False), ("nvfp4", False), ("mxfp4", True)])
+def test_gate_up_counts_each_blocks_programs(monkeypatch, fmt, relaxed):
     """Ready counts: each gate/up program adds 1 to its block's count after its hidden rows, and the
     down kernel waits for READY = gate/up's programs a block. After a call (skewed routing: an expert
     over several blocks, empty blocks at the table's end) every used block's count is that number and
     every empty block's is 0 (the buffer starts poisoned; the grouping zeroes it), and the outputs
-    match the reference (under the interpreter a down program whose count is not READY writes NaN)."""
-    config = moe.TileConfig("mma", 4, 16, 32, num_warps=1, prefetch=True, ready_counts=True)
+    match the reference (under the interpreter a down program whose count is not READY writes NaN).
+    relaxed_spin changes only the compiled spin (test_pdl.py); here it runs through the launcher."""
+    config = moe.TileConfig("mma", 4, 16, 32, num_warps=1, prefetch=True, ready_counts=True, relaxed_spin=relaxed)
     experts, hidden, inter, tokens, top_k = 8, 64, 64, 7, 3
     w = make_experts(fmt, experts, hidden, inter, seed=51)
     ids, weights = make_routing(tokens, top_k, experts, "skewed", seed=51)
@@ -482,7 +483,8 @@ def test_size_class_token_boundary(pairs, experts, expected):
      (dict(path="mma", num_warps=1, k_splits=0), "k_splits"), (dict(direct_blocks=True), "direct_blocks"),
      (dict(ready_counts=True), "ready_counts"), (dict(path="mma", num_warps=1, ready_counts=True), "ready_counts"),
      (dict(path="mma", num_warps=1, prefetch=True, direct_blocks=True, ready_counts=True), "ready_counts"),
-     (dict(path="mma", num_warps=1, prefetch=True, k_splits=2, ready_counts=True), "ready_counts")],
+     (dict(path="mma", num_warps=1, prefetch=True, k_splits=2, ready_counts=True), "ready_counts"),
+     (dict(path="mma", num_warps=1, prefetch=True, relaxed_spin=True), "relaxed_spin")],
 )
 def test_tile_config_rejects_bad_values(kwargs, match):
     base = dict(path="gemv", block_m=1, block_n=16, block_k=64)

@@ -84,7 +84,8 @@ w13, w2 = torch.zeros(2, 256, 128, dtype=torch.uint8), torch.zeros(2, 256, 64, d
 s13, s2 = torch.zeros(2, 256, 8, dtype=torch.uint8), torch.zeros(2, 256, 4, dtype=torch.uint8)
 ids = torch.zeros(2, 6, dtype=torch.int32)
 for config in (moe.DEFAULT_CONFIGS["mma_token"], dataclasses.replace(moe.DEFAULT_CONFIGS["mma"], ready_counts=False),
-               dataclasses.replace(moe.DEFAULT_CONFIGS["mma"], ready_counts=True)):
+               dataclasses.replace(moe.DEFAULT_CONFIGS["mma"], ready_counts=True),
+               dataclasses.replace(moe.DEFAULT_CONFIGS["mma"], ready_counts=True, relaxed_spin=True)):
     pairs = moe.fp4_moe_pairs_triton(x, ids, torch.ones(2, 6), w13, s13, w2, s2, "mxfp4", None, None, None,
                                      config=config)
 # down codes at a misaligned address: the launcher copies them, and the down kernel then waits first
@@ -107,7 +108,7 @@ for launch in launches:
     name = launch.kernel.fn.__name__
     mode = launch.meta.get("PDL", launch.meta.get("RELEASE", "none"))
     if name == "_down_mma_kernel":
-        mode = f"{mode},early={launch.meta['EARLY']},ready={launch.meta['READY']}"
+        mode = f"{mode},early={launch.meta['EARLY']},ready={launch.meta['READY']},relaxed={launch.meta['RELAXED_SPIN']}"
     if name == "_gate_up_mma_kernel":
         mode = f"{mode},count={launch.meta['COUNT_READY']}"
     if name == "_score_pages_kernel":  # not compiled: it takes no PDL
@@ -135,7 +136,8 @@ for launch in launches:
             order = "-"
         print(name, launch.meta.get("launch_pdl", False), mode, cap, ptx.count("griddepcontrol.wait"),
               ptx.count("griddepcontrol.launch_dependents"), 0 <= cg < wait,
-              f"{ptx.count('atom.global.gpu.release.add')}/{ptx.count('ld.global.gpu.acquire')}", order)
+              f"{ptx.count('atom.global.gpu.release.add')}/{ptx.count('ld.global.gpu.acquire')}"
+              f"/{ptx.count('ld.volatile.global')}", order)
 """
 
 
@@ -147,7 +149,8 @@ def test_each_kernel_takes_its_pdl_mode_and_compiles_it():
       of its weights (misaligned codes here), where it waits first; the combine waits;
     - with ready counts (the 32-row class's config with ready_counts), gate/up adds to its block's
       count (a release) after its rows, and the down kernel acquires its block's count before it reads
-      the hidden rows, lets the next kernel launch, and waits for gate/up's end before its store;
+      the hidden rows, lets the next kernel launch, and waits for gate/up's end before its store; with
+      relaxed_spin its spin reads the count by volatile loads and acquires it once after;
     - the indexer's scoring takes no PDL and its three selection kernels wait without letting the
       next launch early (on the H200 an early launch cost 1-10 us there);
     - sparse MLA's tile waits, and lets its combine launch early only when split; the combine
@@ -157,26 +160,29 @@ def test_each_kernel_takes_its_pdl_mode_and_compiles_it():
     got = {}
     for name, launch_pdl, mode, cap, waits, releases, cg_first, counts, count_order in rows:
         got.setdefault((name, launch_pdl, mode), set()).add((cap, waits, releases, cg_first, counts, count_order))
-    wait_release = {(cap, "1", "1", "False", "0/0", "-") for cap in ("90", "120")}
-    wait_only = {(cap, "1", "0", "False", "0/0", "-") for cap in ("90", "120")}
+    wait_release = {(cap, "1", "1", "False", "0/0/0", "-") for cap in ("90", "120")}
+    wait_only = {(cap, "1", "0", "False", "0/0/0", "-") for cap in ("90", "120")}
     ready_32 = 128 // moe.DEFAULT_CONFIGS["mma"].block_n  # gate/up's programs a block: I = 128, 32 columns each
     assert got == {
-        ("_group_pairs_kernel", "False", "True"): {(cap, "0", "1", "False", "0/0", "-") for cap in ("90", "120")},
+        ("_group_pairs_kernel", "False", "True"): {(cap, "0", "1", "False", "0/0/0", "-") for cap in ("90", "120")},
         ("_gate_up_mma_kernel", "True", "2,count=False"): wait_release,
         # a release add on the block's ready count after the hidden rows
-        ("_gate_up_mma_kernel", "True", "2,count=True"): {(cap, "1", "1", "False", "1/0", "True")
+        ("_gate_up_mma_kernel", "True", "2,count=True"): {(cap, "1", "1", "False", "1/0/0", "True")
                                                           for cap in ("90", "120")},
         ("_swiglu_partials_kernel", "True", "2"): wait_release,
         # without ready counts (after the split sums, or the 32-row class without them): a wait (and
         # release) on each path, before the hidden rows or before leaving an empty block
-        ("_down_mma_kernel", "True", "2,early=True,ready=0"): {(cap, "2", "2", "True", "0/0", "-")
+        ("_down_mma_kernel", "True", "2,early=True,ready=0,relaxed=False"): {(cap, "2", "2", "True", "0/0/0", "-")
                                                                 for cap in ("90", "120")},
         # the 32-row class with ready counts: the block's ready count acquired (in the spin and its
         # first check) before the hidden rows; a wait and release leaving an empty block, a release
         # after the count, and a wait before the store
-        ("_down_mma_kernel", "True", f"2,early=True,ready={ready_32}"): {(cap, "2", "2", "True", "0/2", "True")
-                                                                         for cap in ("90", "120")},
-        ("_down_mma_kernel", "True", "2,early=False,ready=0"): wait_release,
+        ("_down_mma_kernel", "True", f"2,early=True,ready={ready_32},relaxed=False"):
+            {(cap, "2", "2", "True", "0/2/0", "True") for cap in ("90", "120")},
+        # relaxed_spin: the spin reads the count by volatile loads, acquired in its first check and once after
+        ("_down_mma_kernel", "True", f"2,early=True,ready={ready_32},relaxed=True"):
+            {(cap, "2", "2", "True", "0/2/1", "True") for cap in ("90", "120")},
+        ("_down_mma_kernel", "True", "2,early=False,ready=0,relaxed=False"): wait_release,
         ("_combine_pairs_kernel", "True", "1"): wait_only,
         ("_score_pages_kernel", "False", "none"): {("-",) * 6},
         ("_chunk_hist_kernel", "True", "1"): wait_only,
@@ -185,5 +191,5 @@ def test_each_kernel_takes_its_pdl_mode_and_compiles_it():
         ("_sparse_mla_fwd", "True", "2"): wait_release,
         ("_sparse_mla_fwd", "True", "1"): wait_only,
         ("_sparse_mla_combine", "True", "1"): wait_only,
-        ("_stage_fp8_rows_kernel", "False", "none"): {(cap, "0", "0", "False", "0/0", "-") for cap in ("90", "120")},
+        ("_stage_fp8_rows_kernel", "False", "none"): {(cap, "0", "0", "False", "0/0/0", "-") for cap in ("90", "120")},
     }, got
