@@ -127,16 +127,21 @@ def await_count(count_ptr, TARGET: tl.constexpr, COMPILED: tl.constexpr, RELAXED
         if RELAXED:
             if seen < TARGET:
                 while seen < TARGET:
-                    tl.inline_asm_elementwise("nanosleep.u32 100; mov.u32 $0, 0;", "=r,r", [seen],
-                                              dtype=tl.int32, is_pure=False, pack=1)
+                    _nap(seen)
                     seen = tl.load(count_ptr, volatile=True)
                 seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
         else:
             while seen < TARGET:
-                tl.inline_asm_elementwise("nanosleep.u32 100; mov.u32 $0, 0;", "=r,r", [seen], dtype=tl.int32,
-                                          is_pure=False, pack=1)
+                _nap(seen)
                 seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
     return seen == TARGET
+
+
+@triton.jit
+def _nap(seen):
+    """About 100 ns of sleep between two reads of a count (`seen` orders it after the last read)."""
+    tl.inline_asm_elementwise("nanosleep.u32 100; mov.u32 $0, 0;", "=r,r", [seen], dtype=tl.int32, is_pure=False,
+                              pack=1)
 
 
 @triton.jit
