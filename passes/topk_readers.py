@@ -63,12 +63,12 @@ def check_order_free(topk: Node, outs: list[Node], k: int) -> None:
     """Declines unless the rewrite's results `outs` (each [rows..., k], all taken from one call of
     the op, so permuted alike) are all that reads the top-k and, for a sorted top-k, no reader
     depends on the order of a row's k indices (module docstring)."""
-    _check_read_only_through(topk, outs)
+    order = {node: i for i, node in enumerate(topk.graph.nodes)}
+    _check_read_only_through(topk, outs, order)
     if k == 1 or not _sorted(topk):
         return
     rows = [f"row{i}" for i in range(len(shape(outs[0])) - 1)]
     state = {out: _Permuted(labelled(shape(out), rows + [_K]), (0, k)) for out in outs}
-    order = {node: i for i, node in enumerate(topk.graph.nodes)}
     node = min(outs, key=order.__getitem__).next
     while node.op != "root":
         if any(a in state for a in node.all_input_nodes):
@@ -82,10 +82,9 @@ def _sorted(topk: Node) -> bool:
     return topk.args[4] if len(topk.args) > 4 else topk.kwargs.get("sorted", True)
 
 
-def _check_read_only_through(topk: Node, outs: list[Node]) -> None:
+def _check_read_only_through(topk: Node, outs: list[Node], order: dict[Node, int]) -> None:
     """Everything that reads the top-k leads to one of `outs`: after the rewrite nothing else may
-    read torch.topk's order (it would be paired with the op's)."""
-    order = {node: i for i, node in enumerate(topk.graph.nodes)}
+    read torch.topk's order (it would be paired with the op's). `order`: each node's graph position."""
     leads, todo = set(outs), list(outs)
     while todo:
         for arg in todo.pop().all_input_nodes:
